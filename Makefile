@@ -1,0 +1,42 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/sh
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export LITELLM_LOCAL_MODEL_COST_MAP := True
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: test demo bench bench-quick soak lint typecheck clean
+
+# The venv is rebuilt only when the project's dependencies change, so a second
+# `make test` goes straight to the tests.
+$(STAMP): pyproject.toml constraints.txt scripts/find-python
+	@test -x $(PY) || { py=$$(scripts/find-python) && echo "creating $(VENV) with $$py" && "$$py" -m venv $(VENV); }
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench]'
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/wmo-trio run
+
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
+bench-quick: $(STAMP)
+	$(PY) -m benchmarks --quick
+
+soak: $(STAMP)
+	$(PY) -m benchmarks.soak
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check wmo_trio tests benchmarks examples
+	$(VENV)/bin/mypy
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) jobs .pytest_cache

@@ -1,0 +1,2 @@
+#!/bin/sh
+printf 'Hello from wmo_trio\n' > /app/greeting.txt

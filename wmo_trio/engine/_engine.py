@@ -1,0 +1,150 @@
+"""The trio episode engine: one per trio run, shared by every agent in it.
+
+An episode's blocking runtime runs in a worker thread under one `trio.CapacityLimiter`.
+The engine's job is the exact behaviour around that thread: when the caller is cancelled,
+the episode is told to stop and its worker is waited for (a harness must never keep
+running against an environment harbor is about to verify); cleanup and the trace write run
+under a shield; the caller's cancellation then propagates, and is never lost even when it
+arrives as the worker returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Protocol
+
+import outcome
+import trio
+
+from wmo_trio.models import RunResult
+
+log = logging.getLogger("wmo_trio.engine")
+
+DEFAULT_EPISODE_WORKERS = 64
+
+
+class Episode(Protocol):
+    """One episode as the engine drives it. The engine calls, in order: `run` in a worker
+    thread; `stop` (in another thread, at most once) if the caller is cancelled while `run`
+    is going; then `close` and `record`, both shielded from cancellation."""
+
+    def run(self) -> RunResult:
+        """Run the episode to its end. Blocking; must return soon after `stop()`."""
+        ...
+
+    def stop(self) -> None:
+        """Ask `run` to return as soon as it can (cooperative cancel, abort the runtime,
+        cancel the environment call in flight)."""
+        ...
+
+    def close(self) -> None:
+        """Release the episode's resources. Failures are logged, never raised."""
+        ...
+
+    def record(self, result: outcome.Outcome[RunResult], cancelled: bool) -> None:
+        """Persist the trace. A failure is raised for a healthy episode and logged after a
+        cancellation or an exception."""
+        ...
+
+
+class EpisodeEngine:
+    """Runs episodes in worker threads under one capacity limiter.
+
+    The limiter is grown to the largest concurrency any caller asked for and never shrunk,
+    so work already in flight never finds fewer tokens than it was promised.
+    """
+
+    def __init__(self, workers: int = DEFAULT_EPISODE_WORKERS) -> None:
+        self.limiter = trio.CapacityLimiter(workers)
+        # Cleanup must never queue behind episodes for a token: after 256 timeouts every
+        # abort and close has to run at once, not 64 at a time.
+        self._cleanup_limiter = trio.CapacityLimiter(math.inf)
+
+    def ensure_workers(self, workers: int) -> None:
+        """Grow the limiter to at least `workers` tokens (waiters are woken at once)."""
+        if workers > self.limiter.total_tokens:
+            self.limiter.total_tokens = workers
+
+    async def run_episode(self, episode: Episode, *, workers: int | None = None) -> RunResult:
+        """Run `episode` to its end and return its result.
+
+        If the calling task is cancelled meanwhile, the episode is stopped, its worker
+        thread waited for, closed and recorded under a shield, and then `trio.Cancelled`
+        propagates. An exception from the episode reaches the caller as itself.
+        """
+        if workers is not None:
+            self.ensure_workers(workers)
+        result, stopped = await self._run_in_worker(episode)
+        cancelled = stopped or _is_cancelled(result)
+        with trio.CancelScope(shield=True):
+            trace_error = await trio.to_thread.run_sync(
+                _finish, episode, result, cancelled, limiter=self._cleanup_limiter
+            )
+        # `to_thread` with abandon_on_cancel=False hands back the worker's value even when
+        # the caller was cancelled meanwhile; this checkpoint is where that cancellation
+        # is delivered instead of being lost.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        assert not _is_cancelled(result), "a cancelled worker implies a cancelled caller"
+        if trace_error is not None:
+            raise trace_error
+        return result.unwrap()
+
+    async def _run_in_worker(self, episode: Episode) -> tuple[outcome.Outcome[RunResult], bool]:
+        """The worker's outcome, and whether the caller's cancellation had to stop it."""
+        result: outcome.Outcome[RunResult] | None = None
+        stopped = False
+
+        async def stop_when_cancelled() -> None:
+            nonlocal stopped
+            try:
+                await trio.sleep_forever()
+            except trio.Cancelled:
+                if result is None:
+                    stopped = True
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(
+                            _stop, episode, limiter=self._cleanup_limiter
+                        )
+                # Swallowed on purpose: this task only observes. Re-raising it here would
+                # reach the caller wrapped in an exception group; the caller's own
+                # cancellation is re-delivered by the checkpoint in run_episode.
+
+        async def work() -> RunResult:
+            return await trio.to_thread.run_sync(
+                episode.run, limiter=self.limiter, abandon_on_cancel=False
+            )
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop_when_cancelled)
+            result = await outcome.acapture(work)
+            nursery.cancel_scope.cancel()
+        return result, stopped
+
+
+def _is_cancelled(result: outcome.Outcome[RunResult]) -> bool:
+    # Only possible when the caller was cancelled while waiting for a limiter token, before
+    # the worker started.
+    return isinstance(result, outcome.Error) and isinstance(result.error, trio.Cancelled)
+
+
+def _stop(episode: Episode) -> None:
+    try:
+        episode.stop()
+    except Exception:
+        log.warning("stopping a cancelled episode failed; waiting for it anyway", exc_info=True)
+
+
+def _finish(episode: Episode, result: outcome.Outcome[RunResult], cancelled: bool) -> Exception | None:
+    """Close, then record. Returns the trace failure of a healthy episode, to be raised."""
+    try:
+        episode.close()
+    except Exception:
+        log.warning("closing an episode failed; its outcome stands", exc_info=True)
+    try:
+        episode.record(result, cancelled)
+    except Exception as error:
+        if not cancelled and isinstance(result, outcome.Value):
+            return error
+        log.warning("writing the trace of a stopped episode failed", exc_info=True)
+    return None

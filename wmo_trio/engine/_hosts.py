@@ -1,0 +1,412 @@
+"""How harbor's asyncio code reaches the trio engine, and how worker threads reach back.
+
+Two hosting situations, one small interface (`Host.run_episode`, awaited from asyncio):
+
+- **trio owns the loop** (`TrioAsyncioHost`): a trio program opened
+  `trio_asyncio.open_loop()` and runs harbor inside it. asyncio code enters trio through
+  `trio_as_aio`, which maps an asyncio cancellation onto the trio task and waits for it.
+- **harbor owns a plain asyncio loop** (its own CLI): trio-asyncio cannot bridge there
+  (python-trio/trio-asyncio#133), so one trio run per asyncio loop is started lazily and
+  serves every agent on that loop (`LoopServingHost`), either in a dedicated thread or as
+  a guest run on the loop itself. Work crosses with `TrioToken.run_sync_soon` one way and
+  `loop.call_soon_threadsafe` the other.
+
+Worker threads call asyncio coroutine functions (harbor's `environment.exec`) through
+`HostCaller`, which runs them inside the episode's trio task, so they are cancelled with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar, Literal
+
+import outcome
+import trio
+
+from wmo_trio.engine._engine import Episode, EpisodeEngine
+from wmo_trio.models import RunResult
+
+HostMode = Literal["thread", "guest"]
+
+# Default for loops harbor owns. Measured on this machine (2 cores, benchmarks/engine.py,
+# 5,000 tiny episodes): the thread-hosted run costs less per episode than the guest run,
+# whose trio scheduling shares the asyncio thread with harbor's own work; both are within
+# a few percent of each other on 64 concurrent 100 ms episodes. WMO_TRIO_HOST overrides it.
+DEFAULT_HOST_MODE: HostMode = "thread"
+
+_ENGINE: trio.lowlevel.RunVar[EpisodeEngine] = trio.lowlevel.RunVar("wmo_trio_engine")
+_BRIDGE: trio.lowlevel.RunVar[_AsyncioBridge] = trio.lowlevel.RunVar("wmo_trio_asyncio_bridge")
+
+
+def current_engine() -> EpisodeEngine:
+    """The engine of the current trio run, created on first use."""
+    try:
+        return _ENGINE.get()
+    except LookupError:
+        engine = EpisodeEngine()
+        _ENGINE.set(engine)
+        return engine
+
+
+# -- worker -> asyncio ------------------------------------------------------------------
+
+
+class _AsyncioBridge(ABC):
+    @abstractmethod
+    async def call(self, afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Run an asyncio coroutine function to completion from trio; cancellable."""
+
+
+class _TrioAsyncioBridge(_AsyncioBridge):
+    async def call(self, afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        import trio_asyncio
+
+        return await trio_asyncio.aio_as_trio(afn)(*args)
+
+
+class _ThreadsafeBridge(_AsyncioBridge):
+    """Calls into an asyncio loop that runs in another thread (or hosts us as a guest)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._token = trio.lowlevel.current_trio_token()
+
+    async def call(self, afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        done = trio.Event()
+
+        async def invoke() -> Any:
+            return await afn(*args)
+
+        future = asyncio.run_coroutine_threadsafe(invoke(), self._loop)
+        future.add_done_callback(lambda _: _soon(self._token, done.set))
+        try:
+            await done.wait()
+        except trio.Cancelled:
+            future.cancel()
+            # Let the coroutine run its own cancellation handling (harbor's exec kills its
+            # process there) before the episode goes on, but never hang on it.
+            with trio.CancelScope(shield=True), trio.move_on_after(10):
+                await done.wait()
+            raise
+        return future.result()
+
+
+def _soon(token: trio.lowlevel.TrioToken, fn: Callable[[], object]) -> None:
+    try:
+        token.run_sync_soon(fn)
+    except trio.RunFinishedError:
+        pass
+
+
+async def call_asyncio(afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """From trio: run `afn(*args)` on the asyncio loop this trio run serves."""
+    try:
+        bridge = _BRIDGE.get()
+    except LookupError:
+        raise RuntimeError(
+            "this trio run is not bridged to an asyncio loop; run harbor code through "
+            "wmo_trio.engine.run_asyncio() or from an agent started by harbor"
+        ) from None
+    return await bridge.call(afn, *args)
+
+
+class HostInterrupted(Exception):
+    """A host call was cancelled because its episode is stopping."""
+
+
+class HostCaller:
+    """The one way an episode's worker thread calls back into the host loop.
+
+    Create it in the worker thread. `call` runs an asyncio coroutine function inside the
+    episode's trio task, so it is cancelled when the episode is (harbor's timeout), and
+    `interrupt()` (any thread; the budget watcher uses it) cancels the call in flight and
+    every later one. Either way the worker sees `HostInterrupted`, never `trio.Cancelled`.
+    """
+
+    def __init__(self) -> None:
+        self._token = trio.from_thread.run_sync(trio.lowlevel.current_trio_token)
+        self._lock = threading.Lock()
+        self._scope: trio.CancelScope | None = None
+        self._interrupted = False
+
+    def call(self, afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        try:
+            return trio.from_thread.run(self._call, afn, *args)
+        except trio.Cancelled:
+            raise HostInterrupted("the episode was cancelled while this call ran") from None
+
+    async def _call(self, afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        with trio.CancelScope() as scope:
+            with self._lock:
+                if self._interrupted:
+                    scope.cancel()
+                self._scope = scope
+            try:
+                return await call_asyncio(afn, *args)
+            finally:
+                with self._lock:
+                    self._scope = None
+        raise HostInterrupted("the episode is stopping; the call was cancelled")
+
+    def interrupt(self) -> None:
+        with self._lock:
+            self._interrupted = True
+            scope = self._scope
+        if scope is not None:
+            _soon(self._token, scope.cancel)
+
+
+# -- asyncio -> engine --------------------------------------------------------------------
+
+
+class Host(ABC):
+    """Where the trio engine runs relative to the caller's asyncio loop."""
+
+    name: str
+
+    @abstractmethod
+    async def run_episode(self, episode: Episode, *, workers: int | None = None) -> RunResult:
+        """Run `episode` on the engine; awaited from asyncio.
+
+        If the awaiting asyncio task is cancelled, the episode is cancelled on the trio
+        side, waited for (cleanup and trace included), and `asyncio.CancelledError` is then
+        raised. The episode's own exception is raised as itself.
+        """
+
+
+class TrioAsyncioHost(Host):
+    """trio owns the process; asyncio runs inside `trio_asyncio.open_loop()`."""
+
+    name = "trio-asyncio"
+
+    async def run_episode(self, episode: Episode, *, workers: int | None = None) -> RunResult:
+        import trio_asyncio
+
+        async def in_trio() -> RunResult:
+            try:
+                _BRIDGE.get()
+            except LookupError:
+                _BRIDGE.set(_TrioAsyncioBridge())
+            return await current_engine().run_episode(episode, workers=workers)
+
+        try:
+            result: RunResult = await trio_asyncio.trio_as_aio(in_trio)()
+        except BaseExceptionGroup as group:
+            raise _unwrap(group) from None
+        return result
+
+
+def _unwrap(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
+        group = group.exceptions[0]  # type: ignore[assignment]
+    return group
+
+
+class _Submission:
+    """The trio side of one episode submitted from asyncio; cancellable from asyncio."""
+
+    def __init__(self) -> None:
+        self.scope: trio.CancelScope | None = None
+        self.cancel_requested = False
+
+    def cancel(self) -> None:  # trio thread
+        self.cancel_requested = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+
+_CANCELLED = object()
+
+
+class LoopServingHost(Host):
+    """One trio run serving one plain asyncio loop, in a thread or as a guest.
+
+    Started by the first episode on the loop. A keeper task on the loop ends the trio run
+    when the loop shuts down (`asyncio.run` cancels it), so no trio run or thread outlives
+    the loop that started it.
+    """
+
+    _hosts: ClassVar[dict[asyncio.AbstractEventLoop, LoopServingHost]] = {}
+    _hosts_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, mode: HostMode) -> None:
+        self.name = f"asyncio+trio-{mode}"
+        self.mode = mode
+        self._loop = loop
+        self._ready: asyncio.Future[None] = loop.create_future()
+        self._finished: asyncio.Future[None] = loop.create_future()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+        self._stop: trio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._keeper: asyncio.Task[None] | None = None
+
+    @classmethod
+    def for_loop(cls, loop: asyncio.AbstractEventLoop, mode: HostMode | None = None) -> LoopServingHost:
+        with cls._hosts_lock:
+            host = cls._hosts.get(loop)
+            if host is None or host._finished.done():
+                host = cls(loop, mode or default_host_mode())
+                cls._hosts[loop] = host
+                host._start()
+            return host
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._keeper = self._loop.create_task(self._keep(), name="wmo-trio-host-keeper")
+        if self.mode == "thread":
+            self._thread = threading.Thread(
+                target=self._thread_main, name="wmo-trio-engine", daemon=True
+            )
+            self._thread.start()
+        else:
+            trio.lowlevel.start_guest_run(
+                self._main,
+                run_sync_soon_threadsafe=self._loop.call_soon_threadsafe,
+                done_callback=self._guest_done,
+                host_uses_signal_set_wakeup_fd=True,
+            )
+
+    def _thread_main(self) -> None:
+        try:
+            trio.run(self._main)
+        finally:
+            self._settle_from_trio(self._ready, None)
+            self._settle_from_trio(self._finished, None)
+
+    def _guest_done(self, result: outcome.Outcome[None]) -> None:
+        for future in (self._ready, self._finished):
+            if not future.done():
+                future.set_result(None)
+
+    async def _main(self) -> None:
+        self._stop = trio.Event()
+        _ENGINE.set(EpisodeEngine())
+        _BRIDGE.set(_ThreadsafeBridge(self._loop))
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._token = trio.lowlevel.current_trio_token()
+            self._settle_from_trio(self._ready, None)
+            await self._stop.wait()
+            nursery.cancel_scope.cancel()
+
+    def _settle_from_trio(self, future: asyncio.Future[Any], value: Any) -> None:
+        def settle() -> None:
+            if not future.done():
+                future.set_result(value)
+
+        try:
+            self._loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is already closed
+            pass
+
+    async def _keep(self) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            # The loop is shutting down: end the trio run and wait for it to finish.
+            with self._hosts_lock:
+                if self._hosts.get(self._loop) is self:
+                    del self._hosts[self._loop]
+            await asyncio.shield(self._ready)
+            if self._token is not None and self._stop is not None:
+                _soon(self._token, self._stop.set)
+            await asyncio.shield(self._finished)
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+
+    def close(self) -> Awaitable[None]:
+        """Cancel the keeper: ends the trio run (mainly for tests)."""
+        assert self._keeper is not None
+        self._keeper.cancel()
+        return asyncio.shield(self._finished)
+
+    # -- episodes -----------------------------------------------------------------------
+
+    async def run_episode(self, episode: Episode, *, workers: int | None = None) -> RunResult:
+        await asyncio.shield(self._ready)
+        if self._token is None or self._finished.done():
+            raise RuntimeError("the wmo_trio engine's trio run is not running")
+        future: asyncio.Future[Any] = self._loop.create_future()
+        submission = _Submission()
+        self._token.run_sync_soon(self._spawn, episode, workers, future, submission)
+        try:
+            value = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            _soon(self._token, submission.cancel)
+            await _wait_ignoring_cancellation(future)
+            if not future.cancelled():
+                future.exception()  # retrieved: the cancellation is what the caller gets
+            raise
+        if value is _CANCELLED:
+            # The trio run was shut down under the episode (its loop is closing).
+            raise asyncio.CancelledError("the wmo_trio host shut down")
+        result: RunResult = value
+        return result
+
+    def _spawn(self, episode: Episode, workers: int | None, future: asyncio.Future[Any],
+               submission: _Submission) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(self._episode_task, episode, workers, future, submission)
+
+    async def _episode_task(self, episode: Episode, workers: int | None,
+                            future: asyncio.Future[Any], submission: _Submission) -> None:
+        engine = current_engine()
+        with trio.CancelScope() as scope:
+            submission.scope = scope
+            if submission.cancel_requested:
+                scope.cancel()
+            result = await outcome.acapture(engine.run_episode, episode, workers=workers)
+
+        def settle() -> None:
+            if future.done():
+                return
+            if isinstance(result, outcome.Value):
+                future.set_result(result.value)
+            elif isinstance(result.error, trio.Cancelled):
+                future.set_result(_CANCELLED)
+            else:
+                future.set_exception(result.error)
+
+        try:
+            self._loop.call_soon_threadsafe(settle)
+        except RuntimeError:
+            pass
+
+
+async def _wait_ignoring_cancellation(future: asyncio.Future[Any]) -> None:
+    """Wait for `future` even if the waiting task is cancelled again meanwhile."""
+    while not future.done():
+        try:
+            await asyncio.wait([future])
+        except asyncio.CancelledError:
+            continue
+
+
+def default_host_mode() -> HostMode:
+    mode = os.environ.get("WMO_TRIO_HOST", DEFAULT_HOST_MODE)
+    if mode not in ("thread", "guest"):
+        raise ValueError(f"WMO_TRIO_HOST must be 'thread' or 'guest', got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+def _running_trio_asyncio_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    # Never import trio_asyncio here: importing it replaces asyncio's loop policy for the
+    # whole process. If the running loop is one of its loops, it is already imported.
+    module = sys.modules.get("trio_asyncio")
+    return module is not None and isinstance(loop, module.BaseTrioEventLoop)
+
+
+def host_for_running_loop() -> Host:
+    """The host for the asyncio loop running in this thread."""
+    loop = asyncio.get_running_loop()
+    if _running_trio_asyncio_loop(loop):
+        return TrioAsyncioHost()
+    return LoopServingHost.for_loop(loop)
+

@@ -1,0 +1,76 @@
+"""One thread that fires every episode's wall-clock deadline.
+
+An episode's budget must interrupt a model call or a command in flight, which a check
+between steps cannot do. A timer thread per episode would double the thread count of a
+1,024-episode run, so all deadlines share this watcher. It starts on first use and exits
+after an idle period, so it never outlives the work that needed it by more than that.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+_IDLE_EXIT_S = 2.0
+
+
+class DeadlineHandle:
+    __slots__ = ("callback", "cancelled", "deadline")
+
+    def __init__(self, deadline: float, callback: Callable[[], None]) -> None:
+        self.deadline = deadline
+        self.callback = callback
+        self.cancelled = False
+
+
+class DeadlineWatch:
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, DeadlineHandle]] = []
+        self._order = itertools.count()
+        self._wakeup = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, deadline: float, callback: Callable[[], None]) -> DeadlineHandle:
+        """Call `callback` (in the watcher thread) once `time.monotonic()` reaches `deadline`."""
+        handle = DeadlineHandle(deadline, callback)
+        with self._wakeup:
+            heapq.heappush(self._heap, (deadline, next(self._order), handle))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._serve, name="wmo-trio-deadlines", daemon=True
+                )
+                self._thread.start()
+            elif self._heap[0][2] is handle:
+                self._wakeup.notify()
+        return handle
+
+    def cancel(self, handle: DeadlineHandle) -> None:
+        handle.cancelled = True
+
+    def _serve(self) -> None:
+        while True:
+            with self._wakeup:
+                while self._heap and self._heap[0][2].cancelled:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._wakeup.wait(_IDLE_EXIT_S)
+                    while self._heap and self._heap[0][2].cancelled:
+                        heapq.heappop(self._heap)
+                    if not self._heap:
+                        self._thread = None
+                        return
+                    continue
+                deadline, _, handle = self._heap[0]
+                delay = deadline - time.monotonic()
+                if delay > 0:
+                    self._wakeup.wait(delay)
+                    continue
+                heapq.heappop(self._heap)
+            if not handle.cancelled:
+                handle.callback()
+
+
+DEADLINES = DeadlineWatch()

@@ -1,0 +1,121 @@
+"""wmo_trio's retry policy, wrapped around every provider.
+
+The SDKs' own retries are turned off (the anthropic SDK obeys `retry-after` without a cap:
+a 3600 s header sleeps an hour), so this is the only place that decides to try again:
+
+- retried: errors the provider marks retryable (HTTP 408, 409, 429, 500, 502, 503, 504,
+  529, connection errors and timeouts); never 400, 401, 403, 404, 413, 422;
+- exponential backoff with full jitter, or the server's `retry-after`, capped;
+- bounded by the attempt count and by the episode's remaining wall-clock budget;
+- every wait is a `CallControl.sleep`, so an aborted or cancelled episode stops waiting at
+  once.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+from wmo_trio.models import TokenUsage
+from wmo_trio.providers.base import (
+    CallControl,
+    Provider,
+    ProviderConfigError,
+    ProviderError,
+    ProviderInterrupted,
+    ProviderRequest,
+    ProviderResponse,
+)
+
+RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504, 529})
+
+
+def is_retryable_status(status: int) -> bool:
+    return status in RETRYABLE_STATUSES
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 6
+    base_delay_s: float = 1.0
+    max_delay_s: float = 30.0
+    retry_after_cap_s: float = 60.0
+    rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any] | None) -> Self:
+        """Read a provider config's `retry` setting; unknown keys and bad values fail."""
+        settings = dict(settings or {})
+        fields = {"max_attempts": int, "base_delay_s": float, "max_delay_s": float,
+                  "retry_after_cap_s": float}
+        unknown = sorted(set(settings) - set(fields))
+        if unknown:
+            raise ProviderConfigError(
+                f"retry: unknown settings {', '.join(unknown)}; known: {', '.join(fields)}"
+            )
+        values: dict[str, Any] = {}
+        for name, value in settings.items():
+            ok = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+            if fields[name] is int:
+                ok = ok and isinstance(value, int) and value >= 1
+            else:
+                ok = ok and value >= 0
+            if not ok:
+                kind = "an integer >= 1" if fields[name] is int else "a number >= 0"
+                raise ProviderConfigError(f"retry.{name} must be {kind}, got {value!r}")
+            values[name] = value
+        return cls(**values)
+
+    def delay_before(self, attempt: int, error: ProviderError) -> float:
+        """Seconds to wait before attempt number `attempt + 1` (attempts count from 1)."""
+        if error.retry_after is not None:
+            return min(max(0.0, error.retry_after), self.retry_after_cap_s)
+        ceiling = min(self.max_delay_s, self.base_delay_s * (2 ** (attempt - 1)))
+        return self.rng.uniform(0.0, ceiling)
+
+
+class RetryingProvider:
+    """A provider that retries its inner provider's retryable failures under a policy."""
+
+    def __init__(self, inner: Provider, policy: RetryPolicy) -> None:
+        self.inner = inner
+        self.policy = policy
+        self.config = inner.config
+
+    @classmethod
+    def around(cls, inner: Provider) -> Self:
+        return cls(inner, RetryPolicy.from_settings(inner.config.settings.get("retry")))
+
+    def complete(self, request: ProviderRequest, control: CallControl) -> ProviderResponse:
+        spent = TokenUsage()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                response = self.inner.complete(request, control)
+            except ProviderInterrupted as error:
+                error.usage = spent + (error.usage or TokenUsage())
+                raise
+            except ProviderError as error:
+                spent = spent + (error.usage or TokenUsage())
+                error.usage = spent
+                if not error.retryable or attempt >= self.policy.max_attempts:
+                    raise
+                delay = self.policy.delay_before(attempt, error)
+                remaining = control.remaining()
+                if remaining is not None and delay >= remaining:
+                    # The episode would be out of budget before the next attempt.
+                    raise
+                if not control.sleep(delay):
+                    raise ProviderInterrupted(
+                        f"retry wait interrupted after attempt {attempt}: {error}", usage=spent
+                    ) from error
+                continue
+            if spent != TokenUsage():
+                response = response.model_copy(update={"usage": response.usage + spent})
+            return response
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,249 @@
+"""The scripted provider: deterministic, offline model replies.
+
+It answers from one of three sources, chosen by its settings:
+
+- `script`: a list of replies (inline, or a JSON file holding a list or `{"replies": [...]}`);
+- `replay`: a JSONL recording written by `RecordingProvider` (see `recording.py`);
+- neither: the built-in offline policy, which knows the bundled example tasks.
+
+The reply for a call is chosen from the request alone (the number of assistant messages
+so far picks the script entry), so one provider can serve many concurrent episodes and
+every episode sees the same replies in the same order.
+
+Usage is an *estimate*: about one token per four characters of request and reply, computed
+deterministically so that traces and tests are reproducible. It is not a tokenizer count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from wmo_trio.models import TokenUsage
+from wmo_trio.providers.base import (
+    CallControl,
+    FinishReason,
+    Message,
+    ProviderConfig,
+    ProviderConfigError,
+    ProviderError,
+    ProviderInterrupted,
+    ProviderRequest,
+    ProviderResponse,
+    ToolCall,
+)
+
+ErrorKind = Literal[
+    "rate_limit", "overloaded", "server", "connection", "timeout", "bad_request", "unexpected"
+]
+
+# status and whether the retry policy may try again, per injected error kind
+_ERROR_KINDS: dict[str, tuple[int | None, bool]] = {
+    "rate_limit": (429, True),
+    "overloaded": (529, True),
+    "server": (500, True),
+    "connection": (None, True),
+    "timeout": (408, True),
+    "bad_request": (400, False),
+}
+
+
+class ScriptedFailure(RuntimeError):
+    """An injected failure of a kind no provider is expected to raise."""
+
+
+class ScriptedToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    # An object is a well-formed call; a string is sent as raw arguments, which is how a
+    # script injects a malformed tool call (a string that is not a JSON object).
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+    id: str | None = None
+
+
+class ScriptedError(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: ErrorKind
+    message: str = "injected failure"
+    retry_after: float | None = None
+
+
+class ScriptedReply(BaseModel):
+    """One scripted model reply, or an injected failure (`error`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = ""
+    tool_calls: list[ScriptedToolCall] = Field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    latency_s: float | None = Field(default=None, ge=0)
+    usage: TokenUsage | None = None
+    error: ScriptedError | None = None
+
+
+def estimate_tokens(text: str) -> int:
+    return math.ceil(len(text) / 4)
+
+
+def estimated_usage(request: ProviderRequest, reply_text: str, calls: Sequence[ToolCall]) -> TokenUsage:
+    prompt = request.system + json.dumps(
+        [m.model_dump(mode="json") for m in request.messages], separators=(",", ":")
+    ) + json.dumps([t.model_dump(mode="json") for t in request.tools], separators=(",", ":"))
+    output = reply_text + "".join(
+        c.name + (c.raw_arguments or json.dumps(c.arguments, separators=(",", ":")))
+        for c in calls
+    )
+    return TokenUsage(
+        input_tokens=estimate_tokens(prompt), output_tokens=estimate_tokens(output), calls=1
+    )
+
+
+def _to_tool_call(call: ScriptedToolCall, turn: int, index: int) -> ToolCall:
+    call_id = call.id or f"call_{turn}_{index}"
+    if isinstance(call.arguments, dict):
+        return ToolCall(id=call_id, name=call.name, arguments=call.arguments)
+    try:
+        parsed = json.loads(call.arguments)
+    except json.JSONDecodeError as error:
+        return ToolCall(id=call_id, name=call.name, arguments=None,
+                        raw_arguments=call.arguments, parse_error=f"invalid JSON: {error.msg}")
+    if not isinstance(parsed, dict):
+        return ToolCall(id=call_id, name=call.name, arguments=None,
+                        raw_arguments=call.arguments, parse_error="arguments are not a JSON object")
+    return ToolCall(id=call_id, name=call.name, arguments=parsed, raw_arguments=call.arguments)
+
+
+def load_script(source: str | Path | Sequence[Any]) -> list[ScriptedReply]:
+    """Validate a script (a list of replies, or a JSON file of one); errors say where."""
+    where = "script"
+    data: Any = source
+    if isinstance(source, str | Path):
+        where = str(source)
+        try:
+            data = json.loads(Path(source).read_text(encoding="utf-8"))
+        except OSError as error:
+            raise ProviderConfigError(f"cannot read script {where}: {error.strerror}") from None
+        except json.JSONDecodeError as error:
+            raise ProviderConfigError(
+                f"script {where} is not JSON: line {error.lineno} column {error.colno}: {error.msg}"
+            ) from None
+        if isinstance(data, dict) and "replies" in data:
+            data = data["replies"]
+    if not isinstance(data, list) or not data:
+        raise ProviderConfigError(f"{where}: a script is a non-empty list of replies")
+    replies = []
+    for index, entry in enumerate(data):
+        try:
+            replies.append(ScriptedReply.model_validate(entry))
+        except ValidationError as error:
+            problem = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'reply'}: {e['msg']}" for e in error.errors()
+            )
+            raise ProviderConfigError(f"{where}: reply {index}: {problem}") from None
+    return replies
+
+
+class ScriptedProvider:
+    """Plays scripted replies; see the module docstring for the sources and the usage estimate.
+
+    Settings: `script` (list or path), `replay` (path), `latency_s` (default latency of every
+    call, seconds), `policy_latency_s` (alias kept for command-line use).
+    """
+
+    def __init__(
+        self,
+        config: ProviderConfig,
+        *,
+        script: list[ScriptedReply] | None = None,
+        answer: Callable[[ProviderRequest], ScriptedReply] | None = None,
+        latency_s: float = 0.0,
+    ) -> None:
+        self.config = config
+        self._script = script
+        self._answer = answer
+        self._latency_s = latency_s
+
+    @classmethod
+    def from_config(cls, config: ProviderConfig) -> Self:
+        settings = config.settings
+        from wmo_trio.providers import GENERIC_SETTINGS
+
+        known = {"script", "replay", "latency_s", *GENERIC_SETTINGS}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ProviderConfigError(
+                f"scripted provider: unknown settings {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        latency = settings.get("latency_s", 0.0)
+        if isinstance(latency, bool) or not isinstance(latency, int | float) or not (
+            math.isfinite(latency) and latency >= 0
+        ):
+            raise ProviderConfigError("scripted provider: latency_s must be a number >= 0")
+        if "script" in settings and "replay" in settings:
+            raise ProviderConfigError("scripted provider: give either script or replay, not both")
+        if "script" in settings:
+            return cls(config, script=load_script(settings["script"]), latency_s=float(latency))
+        if "replay" in settings:
+            from wmo_trio.providers.recording import load_replay
+
+            return cls(config, answer=load_replay(settings["replay"]), latency_s=float(latency))
+        from wmo_trio.providers.offline_policy import offline_policy
+
+        return cls(config, answer=offline_policy, latency_s=float(latency))
+
+    def _reply_for(self, request: ProviderRequest, turn: int) -> ScriptedReply:
+        if self._answer is not None:
+            return self._answer(request)
+        assert self._script is not None
+        if turn >= len(self._script):
+            raise ProviderError(
+                f"scripted provider: the script has {len(self._script)} replies and call "
+                f"{turn + 1} asked for another"
+            )
+        return self._script[turn]
+
+    def complete(self, request: ProviderRequest, control: CallControl) -> ProviderResponse:
+        turn = sum(1 for m in request.messages if m.role == "assistant")
+        reply = self._reply_for(request, turn)
+        latency = self._latency_s if reply.latency_s is None else reply.latency_s
+        if latency > 0 and not control.sleep(latency):
+            raise ProviderInterrupted("scripted provider: the call was interrupted")
+        if control.interrupted:
+            raise ProviderInterrupted("scripted provider: the call was interrupted")
+        if reply.error is not None:
+            _raise_injected(reply.error)
+        calls = [_to_tool_call(c, turn, i) for i, c in enumerate(reply.tool_calls)]
+        finish = reply.finish_reason or (FinishReason.TOOL_CALLS if calls else FinishReason.STOP)
+        usage = reply.usage or estimated_usage(request, reply.text, calls)
+        return ProviderResponse(text=reply.text, tool_calls=calls, finish_reason=finish, usage=usage)
+
+    def close(self) -> None:
+        pass
+
+
+def _raise_injected(error: ScriptedError) -> None:
+    if error.kind == "unexpected":
+        raise ScriptedFailure(error.message)
+    status, retryable = _ERROR_KINDS[error.kind]
+    raise ProviderError(
+        f"{error.kind}: {error.message}",
+        retryable=retryable,
+        status=status,
+        retry_after=error.retry_after,
+    )
+
+
+def first_user_message(messages: Sequence[Message]) -> str:
+    for message in messages:
+        if message.role == "user":
+            return message.content
+    return ""
+
