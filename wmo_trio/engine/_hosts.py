@@ -129,7 +129,7 @@ class HostCaller:
     """
 
     def __init__(self) -> None:
-        self._token = trio.from_thread.run_sync(trio.lowlevel.current_trio_token)
+        self._token: trio.lowlevel.TrioToken | None = None
         self._lock = threading.Lock()
         self._scope: trio.CancelScope | None = None
         self._interrupted = False
@@ -146,6 +146,7 @@ class HostCaller:
                 if self._interrupted:
                     scope.cancel()
                 self._scope = scope
+                self._token = trio.lowlevel.current_trio_token()
             try:
                 return await call_asyncio(afn, *args)
             finally:
@@ -157,7 +158,7 @@ class HostCaller:
         with self._lock:
             self._interrupted = True
             scope = self._scope
-        if scope is not None:
+        if scope is not None and self._token is not None:
             _soon(self._token, scope.cancel)
 
 

@@ -13,6 +13,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 
 from wmo_trio.episode.deadlines import DEADLINES
@@ -79,6 +80,15 @@ class _Unusable(Enum):
     TRUNCATED = "output_truncated"
 
 
+@dataclass(frozen=True)
+class Reply:
+    """One model reply: the index of the first step it produced, its text and usage."""
+
+    first_step: int
+    text: str
+    usage: TokenUsage
+
+
 class EpisodeLog:
     """The steps and usage of an episode, recorded as they happen. Thread-safe: the host
     reads it while the worker writes, so a cancelled episode keeps its partial transcript."""
@@ -87,6 +97,7 @@ class EpisodeLog:
         self._lock = threading.Lock()
         self._steps: list[Step] = []
         self._usage = TokenUsage()
+        self._replies: list[Reply] = []
         self._on_change = on_change
 
     def record(self, action: Action, observation: Observation) -> None:
@@ -101,9 +112,20 @@ class EpisodeLog:
             self._usage = self._usage + usage
         self._changed()
 
+    def begin_reply(self, text: str, usage: TokenUsage) -> None:
+        """A model reply arrived; the steps recorded next are its actions."""
+        with self._lock:
+            self._replies.append(Reply(len(self._steps), text, usage))
+            self._usage = self._usage + usage
+        self._changed()
+
     def steps(self) -> list[Step]:
         with self._lock:
             return list(self._steps)
+
+    def replies(self) -> list[Reply]:
+        with self._lock:
+            return list(self._replies)
 
     def usage(self) -> TokenUsage:
         with self._lock:
@@ -234,13 +256,17 @@ class EpisodeRuntime:
         streak = 0
         last_unusable: _Unusable | None = None
 
+        max_output = params.max_output_tokens
+        if self.context_window is not None:
+            # The window holds prompt and reply: never let the reply claim more than half.
+            max_output = min(max_output, self.context_window // 2)
         for turn in range(1, params.max_turns + 1):
             self._check_boundary()
             response = self._complete(ProviderRequest(
                 system=system,
-                messages=self._fit(system, messages, params.max_output_tokens),
+                messages=self._fit(system, messages, max_output),
                 tools=tools,
-                max_output_tokens=params.max_output_tokens,
+                max_output_tokens=max_output,
                 temperature=params.temperature,
             ))
             messages.append(Message(role="assistant", content=response.text,
@@ -266,10 +292,11 @@ class EpisodeRuntime:
                 continue
 
             streak, last_unusable = 0, None
-            for call in response.tool_calls:
+            for position, call in enumerate(response.tool_calls):
                 self._check_boundary()
-                action = Action(kind=ActionKind.TOOL_CALL, name=call.name,
-                                arguments=call.arguments)
+                # The reply's text goes with its first action, so the transcript keeps it.
+                action = Action(kind=ActionKind.TOOL_CALL, name=call.name, arguments=call.arguments,
+                                content=response.text if position == 0 and response.text else None)
                 observation = self._tool(call, action, environment)
                 if isinstance(observation, _Stop):
                     raise observation
@@ -299,7 +326,7 @@ class EpisodeRuntime:
                             metadata={"status": getattr(error, "status", None)}),
             )
             raise _Stop(StopReason.PROVIDER_ERROR) from error
-        self.log.add_usage(response.usage)
+        self.log.begin_reply(response.text, response.usage)
         return response
 
     def _tool(self, call: ToolCall, action: Action,

@@ -1,0 +1,299 @@
+"""The trio engine and its hosts (issue: engine). The engine alone under pytest-trio; the
+hosts under an asyncio driver shaped like harbor's trial (tasks, `asyncio.wait_for`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import outcome
+import pytest
+import trio
+
+from wmo_trio.engine import EpisodeEngine, HostCaller, HostInterrupted, LoopServingHost
+from wmo_trio.models import RunResult, StopReason
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class FakeEpisode:
+    """An episode whose worker waits `duration` seconds or until stopped, and which
+    records what the engine did to it, in order."""
+
+    def __init__(self, duration: float = 0.0, *, error: BaseException | None = None,
+                 on_close: Any = None, record_error: Exception | None = None) -> None:
+        self.duration = duration
+        self.error = error
+        self.on_close = on_close
+        self.record_error = record_error
+        self.stopping = threading.Event()
+        self.events: list[Any] = []
+        self.worker_returned_at: float | None = None
+        self.lock = threading.Lock()
+
+    def _note(self, event: Any) -> None:
+        with self.lock:
+            self.events.append(event)
+
+    def run(self) -> RunResult:
+        self._note("run")
+        self.stopping.wait(self.duration)
+        self.worker_returned_at = time.monotonic()
+        if self.error is not None:
+            raise self.error
+        reason = StopReason.CANCELLED if self.stopping.is_set() else StopReason.SUBMITTED
+        return RunResult(task_id="t", steps=[], stop_reason=reason, turns=0)
+
+    def stop(self) -> None:
+        self._note("stop")
+        self.stopping.set()
+
+    def close(self) -> None:
+        self._note("close")
+        if self.on_close is not None:
+            self.on_close()
+
+    def record(self, result: outcome.Outcome[RunResult], cancelled: bool) -> None:
+        self._note(("record", type(result).__name__, cancelled))
+        if self.record_error is not None:
+            raise self.record_error
+
+
+# -- the engine on its own ----------------------------------------------------------------
+
+
+async def test_an_episode_returns_its_result_after_close_and_record() -> None:
+    episode = FakeEpisode()
+    result = await EpisodeEngine().run_episode(episode)
+    assert result.stop_reason is StopReason.SUBMITTED
+    assert episode.events == ["run", "close", ("record", "Value", False)]
+
+
+async def test_a_cancelled_episode_is_stopped_waited_for_cleaned_up_then_cancelled() -> None:
+    episode = FakeEpisode(duration=30)
+    with trio.move_on_after(0.2) as scope:
+        await EpisodeEngine().run_episode(episode)
+    assert scope.cancelled_caught
+    assert episode.events == ["run", "stop", "close", ("record", "Value", True)]
+    assert episode.worker_returned_at is not None
+
+
+async def test_a_cancellation_during_cleanup_still_propagates() -> None:
+    token = trio.lowlevel.current_trio_token()
+    with trio.CancelScope() as scope:
+        episode = FakeEpisode(on_close=lambda: token.run_sync_soon(scope.cancel))
+        await EpisodeEngine().run_episode(episode)
+        pytest.fail("the cancellation that arrived during cleanup was lost")
+    assert scope.cancelled_caught
+    # the worker had finished on its own: its trace is the full result
+    assert episode.events == ["run", "close", ("record", "Value", False)]
+
+
+async def test_a_cancellation_before_the_worker_starts_still_records() -> None:
+    engine = EpisodeEngine(workers=1)
+    blocker, waiting = FakeEpisode(duration=30), FakeEpisode()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run_episode, blocker)
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.move_on_after(0.1) as scope:
+            await engine.run_episode(waiting)
+        blocker.stop()
+    assert scope.cancelled_caught
+    assert "run" not in waiting.events  # it never got a worker
+    assert waiting.events[-2:] == ["close", ("record", "Error", True)]
+
+
+async def test_an_episode_exception_arrives_as_itself() -> None:
+    episode = FakeEpisode(error=KeyError("boom"))
+    with pytest.raises(KeyError, match="boom"):
+        await EpisodeEngine().run_episode(episode)
+    assert episode.events == ["run", "close", ("record", "Error", False)]
+
+
+async def test_a_failed_close_is_logged_and_the_result_stands(caplog: Any) -> None:
+    def fail() -> None:
+        raise OSError("cannot close")
+
+    result = await EpisodeEngine().run_episode(FakeEpisode(on_close=fail))
+    assert result.stop_reason is StopReason.SUBMITTED
+    assert "closing an episode failed" in caplog.text
+
+
+async def test_a_lost_trace_of_a_healthy_episode_is_an_error() -> None:
+    with pytest.raises(OSError, match="disk full"):
+        await EpisodeEngine().run_episode(FakeEpisode(record_error=OSError("disk full")))
+
+
+async def test_a_lost_trace_after_cancellation_is_logged(caplog: Any) -> None:
+    episode = FakeEpisode(duration=30, record_error=OSError("disk full"))
+    with trio.move_on_after(0.1) as scope:
+        await EpisodeEngine().run_episode(episode)
+    assert scope.cancelled_caught
+    assert "writing the trace of a stopped episode failed" in caplog.text
+
+
+async def test_the_limiter_grows_and_never_shrinks() -> None:
+    engine = EpisodeEngine(workers=4)
+    engine.ensure_workers(16)
+    engine.ensure_workers(8)
+    assert engine.limiter.total_tokens == 16
+    await engine.run_episode(FakeEpisode(), workers=32)
+    assert engine.limiter.total_tokens == 32
+
+
+async def test_episodes_run_concurrently_up_to_the_limit() -> None:
+    barrier = threading.Barrier(24, timeout=10)
+
+    class Meeting(FakeEpisode):
+        def run(self) -> RunResult:
+            barrier.wait()  # only passes if all 24 workers run at once
+            return super().run()
+
+    engine = EpisodeEngine(workers=24)
+    async with trio.open_nursery() as nursery:
+        for _ in range(24):
+            nursery.start_soon(engine.run_episode, Meeting())
+
+
+# -- hosts: an asyncio driver shaped like harbor's trials ---------------------------------
+
+
+async def _drive(host_mode: str, n: int = 64) -> list[tuple[str, FakeEpisode, float]]:
+    loop = asyncio.get_running_loop()
+    host = LoopServingHost.for_loop(loop, host_mode)  # type: ignore[arg-type]
+    episodes = [FakeEpisode(duration=0.05 if i % 2 else 30) for i in range(n)]
+
+    async def trial(episode: FakeEpisode) -> tuple[str, FakeEpisode, float]:
+        try:
+            await asyncio.wait_for(host.run_episode(episode, workers=n), 1.0)
+            return "done", episode, 0.0
+        except TimeoutError:
+            return "timeout", episode, time.monotonic()
+
+    return await asyncio.gather(*(trial(e) for e in episodes))
+
+
+@pytest.mark.parametrize("mode", ["thread", "guest"])
+def test_timed_out_episodes_are_stopped_and_waited_for(mode: str) -> None:
+    outcomes = asyncio.run(_drive(mode))
+    assert {kind for kind, _, _ in outcomes} == {"done", "timeout"}
+    for kind, episode, returned_at in outcomes:
+        if kind == "done":
+            assert episode.events == ["run", "close", ("record", "Value", False)]
+        else:
+            assert episode.events == ["run", "stop", "close", ("record", "Value", True)]
+            assert episode.worker_returned_at is not None
+            assert episode.worker_returned_at <= returned_at
+
+
+@pytest.mark.parametrize("mode", ["thread", "guest"])
+def test_episode_errors_reach_asyncio_unwrapped(mode: str) -> None:
+    async def main() -> None:
+        host = LoopServingHost.for_loop(asyncio.get_running_loop(), mode)  # type: ignore[arg-type]
+        with pytest.raises(KeyError, match="boom"):
+            await host.run_episode(FakeEpisode(error=KeyError("boom")))
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["thread", "guest"])
+def test_nothing_outlives_the_loop_and_a_second_run_works(mode: str) -> None:
+    for _ in range(2):
+        outcomes = asyncio.run(_drive(mode, n=8))
+        assert len(outcomes) == 8
+        assert not LoopServingHost._hosts
+        assert "wmo-trio-engine" not in {t.name for t in threading.enumerate()}
+
+
+@pytest.mark.parametrize("mode", ["thread", "guest"])
+def test_host_calls_reach_asyncio_and_are_cancelled_with_their_episode(mode: str) -> None:
+    seen: list[str] = []
+
+    async def slow_call(seconds: float) -> str:
+        try:
+            await asyncio.sleep(seconds)
+            return "finished"
+        except asyncio.CancelledError:
+            seen.append("asyncio side cancelled")
+            raise
+
+    class Calling(FakeEpisode):
+        def run(self) -> RunResult:
+            caller = HostCaller()
+            seen.append(caller.call(slow_call, 0.01))
+            try:
+                caller.call(slow_call, 30)
+            except HostInterrupted:
+                seen.append("worker saw HostInterrupted")
+            return super().run()
+
+    async def main() -> None:
+        host = LoopServingHost.for_loop(asyncio.get_running_loop(), mode)  # type: ignore[arg-type]
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(host.run_episode(Calling()), 0.3)
+
+    asyncio.run(main())
+    assert seen == ["finished", "asyncio side cancelled", "worker saw HostInterrupted"]
+
+
+def _python(code: str) -> str:
+    completed = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", textwrap.dedent(code)], capture_output=True,
+        text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+    )
+    assert completed.returncode == 0, completed.stderr
+    return completed.stdout
+
+
+def test_importing_wmo_trio_leaves_asyncio_alone() -> None:
+    out = _python("""
+        import asyncio, sys
+        import wmo_trio, wmo_trio.engine, wmo_trio.harbor, wmo_trio.trace
+        async def kind():
+            return type(asyncio.get_running_loop()).__module__
+        print(asyncio.run(kind()), "trio_asyncio" in sys.modules)
+    """)
+    assert out.split() == ["asyncio.unix_events", "False"]
+
+
+def test_the_trio_owned_host_stops_waits_and_unwraps() -> None:
+    # trio-asyncio replaces asyncio's loop policy process-wide once imported, so this host
+    # is exercised in its own interpreter.
+    out = _python("""
+        import asyncio, json, time
+        import wmo_trio.engine as engine
+        from test_engine import FakeEpisode
+
+        async def main():
+            host = engine.host_for_running_loop()
+            episodes = [FakeEpisode(duration=0.05 if i % 2 else 30) for i in range(64)]
+            async def trial(episode):
+                try:
+                    await asyncio.wait_for(host.run_episode(episode, workers=64), 1.0)
+                    return "done", episode.events, True
+                except asyncio.TimeoutError:
+                    return "timeout", episode.events, episode.worker_returned_at <= time.monotonic()
+            results = await asyncio.gather(*(trial(e) for e in episodes))
+            try:
+                await host.run_episode(FakeEpisode(error=KeyError("boom")))
+            except KeyError as error:
+                unwrapped = repr(error)
+            return {"host": host.name, "results": results, "error": unwrapped}
+
+        print(json.dumps(engine.run(main)))
+    """)
+    report = json.loads(out)
+    assert report["host"] == "trio-asyncio"
+    assert report["error"] == "KeyError('boom')"
+    for kind, events, worker_first in report["results"]:
+        expected = (["run", "close", ["record", "Value", False]] if kind == "done"
+                    else ["run", "stop", "close", ["record", "Value", True]])
+        assert events == expected and worker_first

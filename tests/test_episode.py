@@ -1,0 +1,357 @@
+"""The episode loop (CONTRACT section 3): stop reasons, nudges, budgets, cancellation."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from processes import running
+
+from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
+from wmo_trio.episode.runtime import NUDGES
+from wmo_trio.harness import parse_harness
+from wmo_trio.models import Action, ActionKind, Observation, StopReason
+from wmo_trio.providers import (
+    CallControl,
+    ProviderConfig,
+    ProviderRequest,
+    ProviderResponse,
+    build_provider,
+)
+from wmo_trio.providers.scripted import ScriptedProvider, load_script
+
+
+def make_doc(**params: str | int) -> Any:
+    surfaces: list[dict[str, Any]] = [{"id": "prompt:core", "kind": "prompt", "content": "work"}]
+    for name, value in params.items():
+        if name == "policy":
+            surfaces.append({"id": "tool_policy:main", "kind": "tool_policy", "content": value})
+        elif name == "skill":
+            surfaces.append({"id": "skill:notes", "kind": "skill",
+                             "content": f"---\nname: notes\ndescription: d\n---\n{value}"})
+        else:
+            surfaces.append({"id": f"param:{name.replace('_', '-')}", "kind": "param",
+                             "content": str(value)})
+    return parse_harness({"name": "t", "surfaces": surfaces})
+
+
+class Spy:
+    """A scripted provider that keeps every request it was sent."""
+
+    def __init__(self, script: list[dict[str, Any]]) -> None:
+        self.inner = ScriptedProvider(ProviderConfig(kind="scripted", model="s"),
+                                      script=load_script(script))
+        self.config = self.inner.config
+        self.requests: list[ProviderRequest] = []
+
+    def complete(self, request: ProviderRequest, control: CallControl) -> ProviderResponse:
+        self.requests.append(request)
+        return self.inner.complete(request, control)
+
+    def close(self) -> None:
+        pass
+
+
+def bash(command: str) -> dict[str, Any]:
+    return {"tool_calls": [{"name": "bash", "arguments": {"command": command}}]}
+
+
+def submit(answer: str = "done") -> dict[str, Any]:
+    return {"tool_calls": [{"name": "submit", "arguments": {"answer": answer}}]}
+
+
+TEXT = {"text": "let me think"}
+
+
+def run(script: list[dict[str, Any]], tmp_path: Path, doc: Any = None, **kwargs: Any) -> Any:
+    provider = Spy(script)
+    runtime = EpisodeRuntime(doc or make_doc(), provider, **kwargs)
+    result = runtime.run("task", "do it", LocalDirEnvironment(tmp_path, command_timeout_sec=30))
+    return result, provider
+
+
+# -- stop reasons ------------------------------------------------------------------------
+
+
+def test_submit_ends_the_episode_with_its_answer(tmp_path: Path) -> None:
+    result, provider = run([bash("echo hi > f"), submit("all good"), bash("rm f")], tmp_path)
+    assert result.stop_reason is StopReason.SUBMITTED
+    assert result.answer == "all good"
+    assert result.turns == 2 and len(provider.requests) == 2
+    assert (tmp_path / "f").read_text() == "hi\n"
+    assert result.worker_usage is not None and result.worker_usage.calls == 2
+
+
+def test_tool_results_go_back_to_the_model_in_order(tmp_path: Path) -> None:
+    two = {"tool_calls": [{"name": "bash", "arguments": {"command": "echo one"}},
+                          {"name": "bash", "arguments": {"command": "echo two"}}]}
+    _, provider = run([two, submit()], tmp_path)
+    answers = [m for m in provider.requests[1].messages if m.role == "tool"]
+    assert [m.content for m in answers] == ["one\n", "two\n"]
+    assert [m.tool_call_id for m in answers] == ["call_0_0", "call_0_1"]
+
+
+def test_max_turns_bounds_the_model_calls(tmp_path: Path) -> None:
+    result, provider = run([bash("true")] * 5, tmp_path, make_doc(max_turns=3))
+    assert result.stop_reason is StopReason.MAX_TURNS
+    assert len(provider.requests) == 3 and result.turns == 3
+
+
+def test_three_replies_without_a_tool_call_end_with_no_tool_call(tmp_path: Path) -> None:
+    result, provider = run([TEXT, TEXT, TEXT, submit()], tmp_path)
+    assert result.stop_reason is StopReason.NO_TOOL_CALL
+    assert len(provider.requests) == 3 and result.turns == 0
+
+
+def test_a_reply_without_a_tool_call_is_nudged(tmp_path: Path) -> None:
+    result, provider = run([TEXT, submit()], tmp_path)
+    assert result.stop_reason is StopReason.SUBMITTED
+    assert provider.requests[1].messages[-1].content == NUDGES["no_tool_call"]
+    assert provider.requests[1].messages[-1].role == "user"
+
+
+def test_the_nudge_count_resets_after_a_usable_call(tmp_path: Path) -> None:
+    result, _ = run([TEXT, TEXT, bash("true"), TEXT, TEXT, submit()], tmp_path)
+    assert result.stop_reason is StopReason.SUBMITTED
+
+
+def test_unparseable_tool_calls_end_with_unparsed_tool_call(tmp_path: Path) -> None:
+    broken = {"tool_calls": [{"name": "bash", "arguments": "{not json"}]}
+    result, provider = run([broken, broken, broken], tmp_path)
+    assert result.stop_reason is StopReason.UNPARSED_TOOL_CALL
+    # every tool call gets an answer, then the nudge
+    second = provider.requests[1].messages
+    assert second[-2].role == "tool" and "could not parse" in second[-2].content
+    assert second[-1].content == NUDGES["unparsed_tool_call"]
+
+
+def test_replies_cut_at_the_output_limit_end_with_output_truncated(tmp_path: Path) -> None:
+    cut = {"text": "I will now wri", "finish_reason": "length"}
+    result, provider = run([cut, cut, cut], tmp_path)
+    assert result.stop_reason is StopReason.OUTPUT_TRUNCATED
+    assert provider.requests[1].messages[-1].content == NUDGES["output_truncated"]
+
+
+def test_max_turns_is_never_nudged(tmp_path: Path) -> None:
+    result, provider = run([bash("true"), TEXT], tmp_path, make_doc(max_turns=2))
+    assert result.stop_reason is StopReason.MAX_TURNS
+    assert len(provider.requests) == 2
+    assert all(step.observation.content not in NUDGES.values() for step in result.steps)
+
+
+def test_a_truncated_last_turn_is_classified_before_max_turns(tmp_path: Path) -> None:
+    cut = {"text": "partial", "finish_reason": "length"}
+    result, _ = run([bash("true"), cut], tmp_path, make_doc(max_turns=2))
+    assert result.stop_reason is StopReason.OUTPUT_TRUNCATED
+
+
+def test_an_unparsed_last_turn_is_classified_before_max_turns(tmp_path: Path) -> None:
+    broken = {"tool_calls": [{"name": "bash", "arguments": "[1]"}]}
+    result, _ = run([bash("true"), broken], tmp_path, make_doc(max_turns=2))
+    assert result.stop_reason is StopReason.UNPARSED_TOOL_CALL
+
+
+def test_a_provider_error_ends_the_episode_without_a_nudge(tmp_path: Path) -> None:
+    result, provider = run([bash("true"), {"error": {"kind": "bad_request", "message": "no"}},
+                            submit()], tmp_path)
+    assert result.stop_reason is StopReason.PROVIDER_ERROR
+    assert len(provider.requests) == 2
+    assert "bad_request: no" in result.steps[-1].observation.content
+    assert result.worker_usage is not None and result.worker_usage.calls == 1
+
+
+def test_an_unexpected_provider_exception_is_a_provider_error(tmp_path: Path) -> None:
+    result, _ = run([{"error": {"kind": "unexpected", "message": "kaboom"}}], tmp_path)
+    assert result.stop_reason is StopReason.PROVIDER_ERROR
+    assert "ScriptedFailure: kaboom" in result.steps[-1].observation.content
+
+
+def test_an_environment_that_raises_ends_with_error(tmp_path: Path) -> None:
+    class Raising:
+        def execute(self, action: Action) -> Observation:
+            raise RuntimeError("transport gone")
+
+    runtime = EpisodeRuntime(make_doc(), Spy([bash("true"), submit()]))
+    result = runtime.run("t", "go", Raising())
+    assert result.stop_reason is StopReason.ERROR
+    assert "RuntimeError: transport gone" in result.steps[-1].observation.content
+    assert result.turns == 1
+
+
+# -- budgets -----------------------------------------------------------------------------
+
+
+def test_environment_actions_are_capped(tmp_path: Path) -> None:
+    result, _ = run([bash("echo a >> log"), bash("echo b >> log"), bash("echo c >> log"),
+                     submit()], tmp_path, make_doc(max_env_actions=2))
+    assert result.stop_reason is StopReason.SUBMITTED
+    assert (tmp_path / "log").read_text() == "a\nb\n"
+    third = result.steps[2].observation
+    assert third.is_error and "environment action budget exhausted" in third.content
+
+
+def test_the_wall_clock_budget_interrupts_a_model_call(tmp_path: Path) -> None:
+    started = time.monotonic()
+    result, _ = run([{**bash("true"), "latency_s": 30}], tmp_path, episode_timeout_s=0.3)
+    assert time.monotonic() - started < 10  # far from the 30 s the call would take
+    assert result.stop_reason is StopReason.BUDGET
+    last = result.steps[-1]
+    assert last.action.kind is ActionKind.MESSAGE and last.observation.is_error
+    assert "wall-clock budget of 0.3 s" in last.observation.content
+
+
+def test_the_wall_clock_budget_kills_a_running_command(tmp_path: Path) -> None:
+    marker = f"{os.getpid()}.{time.monotonic_ns() % 10**6}"
+    result, _ = run([bash(f"sleep 30 && echo {marker}"), submit()], tmp_path,
+                    episode_timeout_s=0.5)
+    assert result.stop_reason is StopReason.BUDGET
+    assert "environment command failed" in result.steps[0].observation.content
+    assert not running(marker)
+
+
+# -- cancellation ------------------------------------------------------------------------
+
+
+def test_should_cancel_stops_at_the_next_boundary_keeping_usage(tmp_path: Path) -> None:
+    calls = {"n": 0}
+
+    def after_first_call() -> bool:
+        return calls["n"] >= 1
+
+    class Counting(Spy):
+        def complete(self, request: ProviderRequest, control: CallControl) -> ProviderResponse:
+            calls["n"] += 1
+            return super().complete(request, control)
+
+    runtime = EpisodeRuntime(make_doc(), Counting([bash("echo x > f"), submit()]),
+                             should_cancel=after_first_call)
+    result = runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+    assert result.stop_reason is StopReason.CANCELLED
+    assert result.steps == [] and not (tmp_path / "f").exists()  # checked before the tool call
+    assert result.worker_usage is not None and result.worker_usage.calls == 1
+
+
+def test_abort_interrupts_a_model_call_in_flight(tmp_path: Path) -> None:
+    runtime = EpisodeRuntime(make_doc(), Spy([{**bash("true"), "latency_s": 30}]))
+    threading.Timer(0.2, runtime.abort).start()
+    started = time.monotonic()
+    result = runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+    assert result.stop_reason is StopReason.CANCELLED
+    assert time.monotonic() - started < 10
+
+
+def test_abort_kills_the_command_in_flight(tmp_path: Path) -> None:
+    marker = f"{os.getpid()}.{time.monotonic_ns() % 10**6 + 1}"
+    runtime = EpisodeRuntime(make_doc(), Spy([bash(f"sleep 40 ; echo {marker}"), submit()]))
+    threading.Timer(0.3, runtime.abort).start()
+    result = runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+    assert result.stop_reason is StopReason.CANCELLED
+    assert len(result.steps) == 1 and result.steps[0].observation.is_error
+    assert not running(marker)
+
+
+def test_abort_before_run_returns_cancelled_at_once(tmp_path: Path) -> None:
+    provider = Spy([submit()])
+    runtime = EpisodeRuntime(make_doc(), provider)
+    runtime.abort()
+    assert runtime.run("t", "go", LocalDirEnvironment(tmp_path)).stop_reason is StopReason.CANCELLED
+    assert provider.requests == []
+
+
+def test_close_is_idempotent_and_closes_an_owned_provider(tmp_path: Path) -> None:
+    closed = []
+
+    class Closing(Spy):
+        def close(self) -> None:
+            closed.append(True)
+
+    runtime = EpisodeRuntime(make_doc(), Closing([submit()]), owns_provider=True)
+    runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+    runtime.close()
+    runtime.close()
+    assert closed == [True]
+
+
+def test_a_runtime_runs_one_episode(tmp_path: Path) -> None:
+    runtime = EpisodeRuntime(make_doc(), Spy([submit(), submit()]))
+    runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+    with pytest.raises(RuntimeError, match="single episode"):
+        runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+
+
+def test_steps_are_recorded_as_they_happen(tmp_path: Path) -> None:
+    seen: list[int] = []
+    runtime = EpisodeRuntime(make_doc(), Spy([bash("true"), bash("true"), submit()]),
+                             on_progress=lambda log: seen.append(len(log.steps())))
+    runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+    assert 1 in seen and 2 in seen and max(seen) == 3
+
+
+# -- tools answered by the episode -------------------------------------------------------
+
+
+def test_unknown_tools_are_not_available(tmp_path: Path) -> None:
+    call = {"tool_calls": [{"name": "python", "arguments": {"code": "1"}}]}
+    result, _ = run([call, submit()], tmp_path)
+    assert result.steps[0].observation.content == "tool 'python' not available"
+    assert result.steps[0].observation.is_error
+
+
+def test_tools_outside_the_policy_are_not_available(tmp_path: Path) -> None:
+    result, _ = run([bash("touch f"), submit()], tmp_path, make_doc(policy="read_file\nsubmit"))
+    assert result.steps[0].observation.content == "tool 'bash' not available"
+    assert not (tmp_path / "f").exists()
+
+
+def test_read_skill_answers_host_side(tmp_path: Path) -> None:
+    read = {"tool_calls": [{"name": "read_skill", "arguments": {"name": "notes"}}]}
+    missing = {"tool_calls": [{"name": "read_skill", "arguments": {"name": "none"}}]}
+    result, provider = run([read, missing, submit()], tmp_path, make_doc(skill="use grep"))
+    assert result.steps[0].observation.content.endswith("use grep")
+    assert "unknown skill 'none'" in result.steps[1].observation.content
+    assert "notes: d" in provider.requests[0].system
+
+
+@pytest.mark.parametrize(
+    ("arguments", "problem"),
+    [
+        ({}, "missing argument 'command'"),
+        ({"command": 3}, "'command' must be a string, got int"),
+        ({"command": "ls", "timeout": "9"}, "unexpected argument 'timeout'; bash takes command"),
+    ],
+)
+def test_wrong_arguments_give_an_error_observation(tmp_path: Path, arguments: dict[str, Any],
+                                                  problem: str) -> None:
+    result, _ = run([{"tool_calls": [{"name": "bash", "arguments": arguments}]}, submit()], tmp_path)
+    assert result.steps[0].observation.content == f"invalid bash arguments: {problem}"
+    assert result.stop_reason is StopReason.SUBMITTED
+
+
+def test_submit_needs_a_string_answer(tmp_path: Path) -> None:
+    bad = {"tool_calls": [{"name": "submit", "arguments": {"answer": 42}}]}
+    result, _ = run([bad, submit("ok")], tmp_path)
+    assert "invalid submit arguments" in result.steps[0].observation.content
+    assert result.answer == "ok"
+
+
+def test_the_context_window_elides_old_tool_outputs(tmp_path: Path) -> None:
+    big = bash("head -c 8000 /dev/zero | tr '\\0' x")
+    _, provider = run([big, big, big, submit()], tmp_path, context_window=8000)
+    last = provider.requests[-1]
+    contents = [m.content for m in last.messages if m.role == "tool"]
+    assert contents[0] == "[output elided to fit the context window]"
+    assert contents[-1] == "x" * 8000
+    assert last.max_output_tokens == 4000  # half the window at most
+
+
+def test_the_offline_policy_solves_a_file_task(tmp_path: Path) -> None:
+    provider = build_provider({"kind": "scripted", "model": "offline"})
+    runtime = EpisodeRuntime(make_doc(), provider)
+    result = runtime.run("t", "Create the file `out/a.txt` whose whole content is the line `hi`",
+                         LocalDirEnvironment(tmp_path))
+    assert result.stop_reason is StopReason.SUBMITTED
+    assert (tmp_path / "out" / "a.txt").read_text() == "hi\n"
