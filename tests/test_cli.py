@@ -1,0 +1,127 @@
+"""`wmo-trio`, driven as a subprocess the way a new user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wmo_trio.harness import load_harness
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-c", "from wmo_trio.cli import main; main()"]
+
+
+def wmo_trio(*args: str, cwd: Path, env: dict[str, str] | None = None,
+             timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if k != "ANTHROPIC_API_KEY"}
+    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**environment, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def demo_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The demo: `wmo-trio run` with every default, on the bundled tasks."""
+    cwd = tmp_path_factory.mktemp("demo")
+    completed = wmo_trio("run", "-o", "jobs", "--job-name", "demo", cwd=cwd)
+    return completed, cwd / "jobs" / "demo"
+
+
+@pytest.mark.harbor
+def test_the_demo_runs_the_bundled_tasks_and_ends_with_a_summary(
+    demo_job: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    completed, job_dir = demo_job
+    assert completed.returncode == 0, completed.stderr
+    out = completed.stdout
+    for task in ("hello-file", "calc-package", "proof-of-work"):
+        assert task in out
+    assert "submitted" in out and "AgentTimeoutError" in out
+    assert f"job directory: {job_dir}" in out.replace("\n", "")
+    results = [json.loads(p.read_text()) for p in job_dir.glob("*/result.json")]
+    rewards = sorted(r["verifier_result"]["rewards"]["reward"] for r in results)
+    assert rewards == [0.0, 1.0, 1.0]
+
+
+@pytest.mark.harbor
+def test_trace_shows_a_real_trial_step_by_step(
+    demo_job: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    _, job_dir = demo_job
+    trial = next(job_dir.glob("hello-file__*"))
+    completed = wmo_trio("trace", str(trial), cwd=ROOT)
+    assert completed.returncode == 0, completed.stderr
+    assert "write_file(" in completed.stdout and "wrote /app/greeting.txt" in completed.stdout
+    assert "stop reason: submitted" in completed.stdout
+
+
+@pytest.mark.harbor
+def test_trace_json_covers_every_trial_of_a_job(
+    demo_job: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    _, job_dir = demo_job
+    completed = wmo_trio("trace", str(job_dir), "--json", cwd=ROOT)
+    assert completed.returncode == 0, completed.stderr
+    traces = json.loads(completed.stdout)
+    reasons = sorted(t["trace"]["stop_reason"] for t in traces)
+    assert reasons == ["cancelled-by-harbor-timeout", "submitted", "submitted"]
+    partial = next(t["trace"] for t in traces if t["trace"].get("partial"))
+    assert partial["worker_usage"]["calls"] >= 1
+
+
+def test_doc_hash_prints_the_example_documents_hash() -> None:
+    completed = wmo_trio("doc", "hash", "examples/harness.json", cwd=ROOT)
+    assert completed.returncode == 0
+    assert completed.stdout.strip() == load_harness(ROOT / "examples/harness.json").doc_hash
+
+
+def test_doc_validate_accepts_the_example() -> None:
+    completed = wmo_trio("doc", "validate", "examples/harness.json", cwd=ROOT)
+    assert completed.returncode == 0 and "valid" in completed.stdout
+
+
+def _assert_bad_input(completed: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert completed.returncode == 2, (completed.stdout, completed.stderr)
+    lines = [line for line in completed.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, completed.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "fragments"),
+    [
+        (["-p", "no/such/tasks"], {}, ["no/such/tasks does not exist"]),
+        (["--harness", "bad.json"], {}, ["bad.json", "param:max-turns"]),
+        (["-m", "openia/gpt"], {}, ["unknown provider kind 'openia'", "anthropic", "scripted"]),
+        (["-m", "anthropic/claude-sonnet-4-5"], {}, ["ANTHROPIC_API_KEY"]),
+        (["-e", "docker"], {"PATH": "/nonexistent"}, ["Docker daemon", "LocalEnvironment"]),
+        (["-m", "offline"], {}, ["must be kind/model"]),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_starts_nothing(
+    tmp_path: Path, args: list[str], env: dict[str, str], fragments: list[str]
+) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"name": "b", "surfaces": [
+        {"id": "prompt:core", "kind": "prompt", "content": "x"},
+        {"id": "param:max-turns", "kind": "param", "content": "many"}]}))
+    full_env = {**env, "PATH": env["PATH"] + ":" + os.path.dirname(sys.executable)} if env else {}
+    completed = wmo_trio("run", "-o", "jobs", "-p", str(ROOT / "examples/tasks/hello-file"),
+                         *args, cwd=tmp_path, env=full_env)
+    _assert_bad_input(completed, *fragments)
+    assert not (tmp_path / "jobs").exists()
+
+
+def test_an_invalid_document_is_bad_input_for_doc_commands(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    _assert_bad_input(wmo_trio("doc", "hash", str(broken), cwd=tmp_path), "is not JSON")
+
+
+def test_trace_of_a_missing_path_is_bad_input(tmp_path: Path) -> None:
+    _assert_bad_input(wmo_trio("trace", str(tmp_path / "nothing"), cwd=tmp_path), "does not exist")

@@ -1,0 +1,157 @@
+"""The `wmo-trio` command line: run jobs on the trio host, read traces, check documents."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="wmo-trio",
+    help="Run harness candidates as harbor agents on Trio, and read their traces.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+doc_app = typer.Typer(help="Check harness documents.", no_args_is_help=True)
+app.add_typer(doc_app, name="doc")
+
+# Tables stay readable when output goes to a file or a CI log.
+console = Console(width=None if sys.stdout.isatty() else 140)
+errors = Console(stderr=True)
+
+BAD_INPUT = 2
+INFRASTRUCTURE_FAILURE = 1
+
+
+def fail(message: str, code: int = BAD_INPUT) -> typer.Exit:
+    errors.print(f"wmo-trio: {message}", markup=False, highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+@app.command()
+def run(
+    path: Annotated[list[Path] | None, typer.Option(
+        "-p", "--path", help="A harbor task directory or a directory of tasks (repeatable). "
+        "Default: the bundled example tasks.")] = None,
+    concurrency: Annotated[int, typer.Option("-n", "--n-concurrent",
+                                             help="Trials run at once.")] = 4,
+    attempts: Annotated[int, typer.Option("-k", "--n-attempts", help="Attempts per task.")] = 1,
+    jobs_dir: Annotated[Path, typer.Option("-o", "--jobs-dir", help="Where job directories go.")]
+    = Path("jobs"),
+    job_name: Annotated[str | None, typer.Option("--job-name")] = None,
+    environment: Annotated[str | None, typer.Option(
+        "-e", "--env", help="A harbor environment type or import path. Default: docker when a "
+        "Docker daemon answers, else wmo_trio.harbor:LocalEnvironment.")] = None,
+    harness: Annotated[Path | None, typer.Option(
+        "--harness", help="The harness document (JSON). Default: the bundled example.")] = None,
+    model: Annotated[str, typer.Option(
+        "-m", "--model", help="kind/model: scripted/offline (no API key) or "
+        "anthropic/<model>.")] = "scripted/offline",
+    provider_config: Annotated[str | None, typer.Option(
+        "--provider-config", help="Extra provider settings as a JSON object.")] = None,
+    episode_timeout: Annotated[float, typer.Option("--episode-timeout",
+                                                   help="Episode wall-clock budget, seconds.")]
+    = 300.0,
+    command_timeout: Annotated[int, typer.Option("--command-timeout",
+                                                 help="Per-command timeout, 1..240 s.")] = 240,
+    backend: Annotated[str, typer.Option("--backend", help="local or e2b.")] = "local",
+) -> None:
+    """Run a harbor job with the wmo_trio agent, trio owning the loop (trio-asyncio)."""
+    import trio
+
+    from wmo_trio.cli._run import (
+        BadInput,
+        RunOptions,
+        build_job_config,
+        examples_dir,
+        run_with_progress,
+        scan_job,
+        summary_table,
+    )
+
+    settings: dict[str, Any] = {}
+    if provider_config:
+        try:
+            settings = json.loads(provider_config)
+        except json.JSONDecodeError as error:
+            raise fail(f"--provider-config is not JSON: {error.msg}") from None
+        if not isinstance(settings, dict):
+            raise fail("--provider-config must be a JSON object")
+    options = RunOptions(
+        paths=path or [examples_dir() / "tasks"], concurrency=concurrency, attempts=attempts,
+        jobs_dir=jobs_dir, job_name=job_name, environment=environment, harness=harness,
+        model=model, provider_settings=settings, episode_timeout=episode_timeout,
+        command_timeout=command_timeout, backend=backend,
+    )
+    try:
+        config = build_job_config(options)
+    except BadInput as error:
+        raise fail(str(error)) from None
+    try:
+        job_dir = trio.run(run_with_progress, config, console)
+    except Exception as error:  # the job itself broke: infrastructure, not the candidate
+        raise fail(f"the job failed: {type(error).__name__}: {error}",
+                   INFRASTRUCTURE_FAILURE) from error
+    console.print(summary_table(scan_job(job_dir)))
+    console.print(f"job directory: {job_dir.resolve()}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def trace(
+    path: Annotated[Path, typer.Argument(help="A wmo-run.json, a trial directory or a job "
+                                         "directory.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
+) -> None:
+    """Show episodes step by step: actions, shortened observations, stop reason, usage."""
+    from wmo_trio.cli._run import BadInput
+    from wmo_trio.cli._trace import as_json as to_json
+    from wmo_trio.cli._trace import find_traces, load, render
+
+    try:
+        traces = [(found, load(found)) for found in find_traces(path)]
+    except BadInput as error:
+        raise fail(str(error)) from None
+    if as_json:
+        sys.stdout.write(to_json(traces) + "\n")
+        return
+    for found, one in traces:
+        render(one, found, console)
+
+
+def _load_doc(file: Path) -> Any:
+    from wmo_trio.harness import HarnessError, load_harness
+
+    try:
+        return load_harness(file)
+    except HarnessError as error:
+        raise fail(str(error)) from None
+
+
+@doc_app.command("validate")
+def doc_validate(file: Path) -> None:
+    """Check a harness document against every rule; exit code 2 when it is invalid."""
+    doc = _load_doc(file)
+    console.print(f"{file}: valid ({doc.name} v{doc.version}, {len(doc.surfaces)} surfaces, "
+                  f"tools {', '.join(doc.tools)}; hash {doc.doc_hash})", highlight=False)
+    for surface_id in doc.unknown_params:
+        errors.print(f"note: {surface_id} is not a parameter wmo_trio reads; it is kept and "
+                     "hashed", highlight=False)
+
+
+@doc_app.command("hash")
+def doc_hash(file: Path) -> None:
+    """Print the document's doc_hash."""
+    sys.stdout.write(_load_doc(file).doc_hash + "\n")
+
+
+def main() -> None:
+    # harbor imports litellm, which otherwise tries to download a model cost map at import
+    # and stalls for seconds on a machine without internet access.
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    app()
