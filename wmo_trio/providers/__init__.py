@@ -100,6 +100,9 @@ def build_provider(
 ) -> Provider:
     """A ready provider for `data`, wrapped in the retry policy unless told otherwise."""
     config = parse_provider_config(data)
+    from wmo_trio.providers.retry import RetryingProvider, RetryPolicy
+
+    policy = RetryPolicy.from_settings(config.settings.get("retry"))  # fails before any client
     provider: Provider = provider_class(config.kind).from_config(config)
     record = config.settings.get("record")
     if record is not None:
@@ -109,7 +112,5 @@ def build_provider(
             raise ProviderConfigError("record must be the path of a JSONL file to append calls to")
         provider = RecordingProvider(provider, record)
     if with_retries:
-        from wmo_trio.providers.retry import RetryingProvider
-
-        provider = RetryingProvider.around(provider)
+        provider = RetryingProvider(provider, policy)
     return provider

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -47,6 +48,8 @@ class RetryPolicy:
     @classmethod
     def from_settings(cls, settings: dict[str, Any] | None) -> Self:
         """Read a provider config's `retry` setting; unknown keys and bad values fail."""
+        if settings is not None and not isinstance(settings, Mapping):
+            raise ProviderConfigError(f"retry must be an object of settings, got {settings!r}")
         settings = dict(settings or {})
         fields = {"max_attempts": int, "base_delay_s": float, "max_delay_s": float,
                   "retry_after_cap_s": float}
@@ -72,7 +75,8 @@ class RetryPolicy:
         """Seconds to wait before attempt number `attempt + 1` (attempts count from 1)."""
         if error.retry_after is not None:
             return min(max(0.0, error.retry_after), self.retry_after_cap_s)
-        ceiling = min(self.max_delay_s, self.base_delay_s * (2 ** (attempt - 1)))
+        # The exponent is capped so that a large attempt number cannot overflow a float.
+        ceiling = min(self.max_delay_s, self.base_delay_s * 2.0 ** min(attempt - 1, 64))
         return self.rng.uniform(0.0, ceiling)
 
 
@@ -83,10 +87,6 @@ class RetryingProvider:
         self.inner = inner
         self.policy = policy
         self.config = inner.config
-
-    @classmethod
-    def around(cls, inner: Provider) -> Self:
-        return cls(inner, RetryPolicy.from_settings(inner.config.settings.get("retry")))
 
     def complete(self, request: ProviderRequest, control: CallControl) -> ProviderResponse:
         spent = TokenUsage()
