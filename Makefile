@@ -12,7 +12,6 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # `make test` goes straight to the tests.
 $(STAMP): pyproject.toml constraints.txt scripts/find-python
 	@test -x $(PY) || { py=$$(scripts/find-python) && echo "creating $(VENV) with $$py" && "$$py" -m venv $(VENV); }
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench]'
 	@touch $(STAMP)
 
@@ -23,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/wmo-trio run
 
 bench: $(STAMP)
-	$(PY) -m benchmarks
+	$(PY) -m benchmarks --readme
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick

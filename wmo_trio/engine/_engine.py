@@ -10,8 +10,10 @@ arrives as the worker returns.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
+import threading
 from typing import Protocol
 
 import outcome
@@ -46,6 +48,40 @@ class Episode(Protocol):
         """Persist the trace. A failure is raised for a healthy episode and logged after a
         cancellation or an exception."""
         ...
+
+
+class Interruptible(Protocol):
+    def interrupt(self) -> None: ...
+
+
+class EpisodeCalls:
+    """The host callers an episode's worker created, so that the engine can cancel their
+    calls in flight itself when the episode is cancelled, whatever `Episode.stop` does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._callers: list[Interruptible] = []
+        self._interrupted = False
+
+    def add(self, caller: Interruptible) -> None:
+        with self._lock:
+            self._callers.append(caller)
+            interrupted = self._interrupted
+        if interrupted:
+            caller.interrupt()
+
+    def interrupt_all(self) -> None:
+        with self._lock:
+            self._interrupted = True
+            callers = list(self._callers)
+        for caller in callers:
+            caller.interrupt()
+
+
+# Set around an episode's worker; trio copies the context into the worker thread.
+CURRENT_EPISODE_CALLS: contextvars.ContextVar[EpisodeCalls | None] = contextvars.ContextVar(
+    "wmo_trio_episode_calls", default=None
+)
 
 
 class EpisodeEngine:
@@ -94,6 +130,7 @@ class EpisodeEngine:
         """The worker's outcome, and whether the caller's cancellation had to stop it."""
         result: outcome.Outcome[RunResult] | None = None
         stopped = False
+        calls = EpisodeCalls()
 
         async def stop_when_cancelled() -> None:
             nonlocal stopped
@@ -102,6 +139,7 @@ class EpisodeEngine:
             except trio.Cancelled:
                 if result is None:
                     stopped = True
+                    calls.interrupt_all()
                     with trio.CancelScope(shield=True):
                         await trio.to_thread.run_sync(
                             _stop, episode, limiter=self._cleanup_limiter
@@ -111,9 +149,13 @@ class EpisodeEngine:
                 # cancellation is re-delivered by the checkpoint in run_episode.
 
         async def work() -> RunResult:
-            return await trio.to_thread.run_sync(
-                episode.run, limiter=self.limiter, abandon_on_cancel=False
-            )
+            token = CURRENT_EPISODE_CALLS.set(calls)
+            try:
+                return await trio.to_thread.run_sync(
+                    episode.run, limiter=self.limiter, abandon_on_cancel=False
+                )
+            finally:
+                CURRENT_EPISODE_CALLS.reset(token)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop_when_cancelled)

@@ -18,6 +18,9 @@ Worker threads call asyncio coroutine functions (harbor's `environment.exec`) th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
+import logging
 import os
 import sys
 import threading
@@ -28,8 +31,10 @@ from typing import Any, ClassVar, Literal
 import outcome
 import trio
 
-from wmo_trio.engine._engine import Episode, EpisodeEngine
+from wmo_trio.engine._engine import CURRENT_EPISODE_CALLS, Episode, EpisodeEngine
 from wmo_trio.models import RunResult
+
+log = logging.getLogger("wmo_trio.engine")
 
 HostMode = Literal["thread", "guest"]
 
@@ -119,28 +124,85 @@ class HostInterrupted(Exception):
     """A host call was cancelled because its episode is stopping."""
 
 
+# The asyncio loop an episode's worker may call straight into: set by LoopServingHost for
+# each episode task and copied by trio into the worker thread. Unset under trio-asyncio,
+# where the asyncio loop runs inside trio's own thread.
+_EPISODE_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
+    "wmo_trio_episode_loop", default=None
+)
+
+# How long an interrupted call may take to finish its own cancellation handling (harbor's
+# exec kills its process there) before the worker gives up waiting for it.
+_CANCEL_GRACE_S = 10.0
+
+
 class HostCaller:
     """The one way an episode's worker thread calls back into the host loop.
 
-    Create it in the worker thread. `call` runs an asyncio coroutine function inside the
-    episode's trio task, so it is cancelled when the episode is (harbor's timeout), and
-    `interrupt()` (any thread; the budget watcher uses it) cancels the call in flight and
-    every later one. Either way the worker sees `HostInterrupted`, never `trio.Cancelled`.
+    Create it in the worker thread. `call(afn, *args)` runs an asyncio coroutine function on
+    the host loop and returns its result. The call is cancelled when its episode is (the
+    engine interrupts every caller of a cancelled episode) and by `interrupt()` (any thread;
+    the budget watcher uses it); either way the worker sees `HostInterrupted`, after the
+    coroutine has run its own cancellation handling, or after a 10 s grace period.
+
+    When the host loop runs in another thread than trio (harbor's own CLI), the worker
+    submits straight to it: one thread hop each way, as cheap as the original bridge. Under
+    trio-asyncio the call runs inside the episode's trio task.
     """
 
     def __init__(self) -> None:
-        self._token: trio.lowlevel.TrioToken | None = None
+        self._loop = _EPISODE_LOOP.get()
         self._lock = threading.Lock()
-        self._scope: trio.CancelScope | None = None
         self._interrupted = False
+        self._task: asyncio.Task[Any] | None = None
+        self._done: concurrent.futures.Future[Any] | None = None
+        self._scope: trio.CancelScope | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        calls = CURRENT_EPISODE_CALLS.get()
+        if calls is not None:
+            calls.add(self)
 
     def call(self, afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        if self._loop is not None:
+            return self._call_loop(self._loop, afn, args)
         try:
-            return trio.from_thread.run(self._call, afn, *args)
+            return trio.from_thread.run(self._call_in_trio, afn, *args)
         except trio.Cancelled:
             raise HostInterrupted("the episode was cancelled while this call ran") from None
 
-    async def _call(self, afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    def _call_loop(self, loop: asyncio.AbstractEventLoop,
+                   afn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> Any:
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def finish(task: asyncio.Task[Any]) -> None:
+            with self._lock:
+                self._task = None
+            if task.cancelled():
+                _settle(done, error=HostInterrupted("the episode is stopping; the call was cancelled"))
+            elif task.exception() is not None:
+                _settle(done, error=task.exception())
+            else:
+                _settle(done, value=task.result())
+
+        async def invoke() -> Any:
+            return await afn(*args)
+
+        def start() -> None:  # on the host loop
+            with self._lock:
+                if self._interrupted:
+                    _settle(done, error=HostInterrupted("the episode is stopping; call not started"))
+                    return
+                task = loop.create_task(invoke())
+                self._task, self._done = task, done
+            task.add_done_callback(finish)
+
+        try:
+            loop.call_soon_threadsafe(start)
+        except RuntimeError:
+            raise HostInterrupted("the host loop is closed") from None
+        return done.result()
+
+    async def _call_in_trio(self, afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         with trio.CancelScope() as scope:
             with self._lock:
                 if self._interrupted:
@@ -157,9 +219,35 @@ class HostCaller:
     def interrupt(self) -> None:
         with self._lock:
             self._interrupted = True
-            scope = self._scope
-        if scope is not None and self._token is not None:
-            _soon(self._token, scope.cancel)
+            task, done, scope, token = self._task, self._done, self._scope, self._token
+        if task is not None and done is not None and self._loop is not None:
+            loop = self._loop
+
+            def cancel() -> None:  # on the host loop
+                task.cancel()
+                # Release the worker if the coroutine ignores its cancellation.
+                loop.call_later(_CANCEL_GRACE_S, _settle, done, None,
+                                HostInterrupted("the call ignored its cancellation"))
+
+            try:
+                loop.call_soon_threadsafe(cancel)
+            except RuntimeError:
+                _settle(done, error=HostInterrupted("the host loop is closed"))
+        if scope is not None and token is not None:
+            _soon(token, scope.cancel)
+
+
+def _settle(future: concurrent.futures.Future[Any], value: Any = None,
+            error: BaseException | None = None) -> None:
+    if future.done():
+        return
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+    except concurrent.futures.InvalidStateError:  # settled by another thread meanwhile
+        pass
 
 
 # -- asyncio -> engine --------------------------------------------------------------------
@@ -359,6 +447,7 @@ class LoopServingHost(Host):
     async def _episode_task(self, episode: Episode, workers: int | None,
                             future: asyncio.Future[Any], submission: _Submission) -> None:
         engine = current_engine()
+        _EPISODE_LOOP.set(self._loop)  # this task's own context, copied into its worker
         with trio.CancelScope() as scope:
             submission.scope = scope
             if submission.cancel_requested:

@@ -48,7 +48,12 @@ class DeadlineWatch:
         return handle
 
     def cancel(self, handle: DeadlineHandle) -> None:
-        handle.cancelled = True
+        with self._wakeup:
+            handle.cancelled = True
+            # The watcher may be sleeping toward this very deadline: let it re-plan, so an
+            # idle process does not keep the thread until a long-cancelled budget.
+            if self._heap and self._heap[0][2] is handle:
+                self._wakeup.notify()
 
     def _serve(self) -> None:
         while True:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -171,15 +172,20 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         """Run the episode on the trio engine; see `HarborEpisode` for what happens when
         harbor cancels it."""
         context.metadata = {**(context.metadata or {}), "candidate_doc_hash": self._doc.doc_hash}
-        episode = HarborEpisode(self, instruction, environment, context)
-        result = await host_for_running_loop().run_episode(
-            episode, workers=self._episode_workers
-        )
+        episode = self._new_episode(instruction, environment, context)
+        result = await self._run_episode(episode)
         context.metadata = {
             **(context.metadata or {}),
             "stop_reason": result.stop_reason.value,
             "turns": result.turns,
         }
+
+    def _new_episode(self, instruction: str, environment: BaseEnvironment,
+                     context: AgentContext) -> HarborEpisode:
+        return HarborEpisode(self, instruction, environment, context)
+
+    async def _run_episode(self, episode: HarborEpisode) -> RunResult:
+        return await host_for_running_loop().run_episode(episode, workers=self._episode_workers)
 
     def _trajectory_info(self, runtime: EpisodeRuntime | None, instruction: str) -> TrajectoryInfo:
         return TrajectoryInfo(
@@ -203,8 +209,10 @@ class HarborEpisode:
     """
 
     def __init__(self, agent: WmoTrioHarborAgent, instruction: str,
-                 environment: BaseEnvironment, context: AgentContext) -> None:
+                 environment: BaseEnvironment, context: AgentContext, *,
+                 caller_factory: Callable[[], Any] = HostCaller) -> None:
         self._agent = agent
+        self._caller_factory = caller_factory
         self._instruction = instruction
         self._environment = environment
         self._context = context
@@ -227,7 +235,7 @@ class HarborEpisode:
         with self._lock:
             self._runtime, self._log = runtime, runtime.log
         adapter = HarborEnvironmentAdapter(
-            self._environment, HostCaller(), command_timeout_sec=agent._command_timeout_sec
+            self._environment, self._caller_factory(), command_timeout_sec=agent._command_timeout_sec
         )
         return runtime.run(self.task_id, self._instruction, adapter)
 

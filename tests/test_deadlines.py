@@ -1,0 +1,40 @@
+"""The shared deadline watcher: one thread for every episode's budget."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from wmo_trio.episode.deadlines import DeadlineWatch
+
+
+def test_deadlines_fire_in_order() -> None:
+    watch = DeadlineWatch()
+    fired: list[str] = []
+    done = threading.Event()
+    now = time.monotonic()
+    watch.schedule(now + 0.2, lambda: (fired.append("late"), done.set()))
+    watch.schedule(now + 0.05, lambda: fired.append("early"))
+    assert done.wait(5)
+    assert fired == ["early", "late"]
+
+
+def test_a_cancelled_deadline_never_fires() -> None:
+    watch = DeadlineWatch()
+    fired: list[str] = []
+    handle = watch.schedule(time.monotonic() + 0.05, lambda: fired.append("x"))
+    watch.cancel(handle)
+    marker = threading.Event()
+    watch.schedule(time.monotonic() + 0.1, marker.set)
+    assert marker.wait(5)
+    assert fired == []
+
+
+def test_the_watcher_exits_once_only_cancelled_deadlines_remain() -> None:
+    watch = DeadlineWatch()
+    handle = watch.schedule(time.monotonic() + 3600, lambda: None)
+    thread = watch._thread
+    assert thread is not None and thread.is_alive()
+    watch.cancel(handle)
+    thread.join(timeout=10)  # the idle exit is 2 s after the last live deadline
+    assert not thread.is_alive()
