@@ -113,10 +113,14 @@ async def call_asyncio(afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
     try:
         bridge = _BRIDGE.get()
     except LookupError:
-        raise RuntimeError(
-            "this trio run is not bridged to an asyncio loop; run harbor code through "
-            "wmo_trio.engine.run_asyncio() or from an agent started by harbor"
-        ) from None
+        # A trio program that opened trio-asyncio's loop itself.
+        module = sys.modules.get("trio_asyncio")
+        if module is None or module.current_loop.get() is None:
+            raise RuntimeError(
+                "this trio run has no asyncio loop to call into; open one with "
+                "trio_asyncio.open_loop() or run through wmo_trio.engine.run_asyncio()"
+            ) from None
+        bridge = _TrioAsyncioBridge()
     return await bridge.call(afn, *args)
 
 
@@ -165,10 +169,7 @@ class HostCaller:
     def call(self, afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         if self._loop is not None:
             return self._call_loop(self._loop, afn, args)
-        try:
-            return trio.from_thread.run(self._call_in_trio, afn, *args)
-        except trio.Cancelled:
-            raise HostInterrupted("the episode was cancelled while this call ran") from None
+        return self._from_trio(afn, args, via_asyncio=True)
 
     def _call_loop(self, loop: asyncio.AbstractEventLoop,
                    afn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> Any:
@@ -202,7 +203,27 @@ class HostCaller:
             raise HostInterrupted("the host loop is closed") from None
         return done.result()
 
-    async def _call_in_trio(self, afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    def call_trio(self, afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Run a *trio* async function inside the episode's task (a trio-native
+        environment), with the same cancellation as `call`."""
+        return self._from_trio(afn, args, via_asyncio=False)
+
+    def _from_trio(self, afn: Callable[..., Awaitable[Any]], args: tuple[Any, ...], *,
+                   via_asyncio: bool) -> Any:
+        try:
+            return trio.from_thread.run(self._call_in_trio, afn, args, via_asyncio)
+        except trio.Cancelled:
+            raise HostInterrupted("the episode was cancelled while this call ran") from None
+        except BaseExceptionGroup as group:
+            # A call that ran a nursery of its own (trio.run_process does) is cancelled as a
+            # group of Cancelled: still just "the episode was cancelled".
+            _, rest = group.split(trio.Cancelled)
+            if rest is None:
+                raise HostInterrupted("the episode was cancelled while this call ran") from None
+            raise
+
+    async def _call_in_trio(self, afn: Callable[..., Awaitable[Any]], args: tuple[Any, ...],
+                            via_asyncio: bool) -> Any:
         with trio.CancelScope() as scope:
             with self._lock:
                 if self._interrupted:
@@ -210,7 +231,9 @@ class HostCaller:
                 self._scope = scope
                 self._token = trio.lowlevel.current_trio_token()
             try:
-                return await call_asyncio(afn, *args)
+                if via_asyncio:
+                    return await call_asyncio(afn, *args)
+                return await afn(*args)
             finally:
                 with self._lock:
                     self._scope = None

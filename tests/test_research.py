@@ -1,0 +1,168 @@
+"""The trio-native research API: episode pools, fan-out, trio environments."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from processes import running
+
+import wmo_trio
+from wmo_trio import EpisodeSpec, LocalProcessEnvironment
+from wmo_trio.episode.environment import CommandResult
+from wmo_trio.harness import HarnessError
+from wmo_trio.models import StopReason
+from wmo_trio.trace import parse_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = {"name": "r", "surfaces": [{"id": "prompt:core", "kind": "prompt", "content": "go"}]}
+OFFLINE = {"kind": "scripted", "model": "offline"}
+HELLO = "Create the file `out/hi.txt` whose whole content is the line `hi`"
+
+
+def bash_then_submit(command: str) -> dict[str, Any]:
+    return {"kind": "scripted", "model": "s", "script": [
+        {"tool_calls": [{"name": "bash", "arguments": {"command": command}}]},
+        {"tool_calls": [{"name": "submit", "arguments": {"answer": "ok"}}]}]}
+
+
+async def test_a_pool_runs_an_episode_and_writes_its_trace(tmp_path: Path) -> None:
+    async with wmo_trio.open_episode_pool(limit=4) as pool:
+        result = await pool.run(DOC, OFFLINE, HELLO, LocalProcessEnvironment(tmp_path),
+                                task_id="hello", trace_path=tmp_path / "trace.json")
+    assert result.stop_reason is StopReason.SUBMITTED and result.task_id == "hello"
+    assert (tmp_path / "out/hi.txt").read_text() == "hi\n"
+    assert parse_trace((tmp_path / "trace.json").read_text()) == result
+
+
+async def test_fan_out_delivers_every_result_and_errors_as_outcomes(tmp_path: Path) -> None:
+    specs = [EpisodeSpec(DOC, OFFLINE, HELLO, LocalProcessEnvironment(tmp_path / str(i)),
+                         task_id=str(i)) for i in range(6)]
+    for spec in specs:
+        Path(spec.environment.workdir).mkdir()  # type: ignore[attr-defined]
+    specs.append(EpisodeSpec({"name": "bad", "surfaces": []}, OFFLINE, HELLO,
+                             LocalProcessEnvironment(tmp_path), task_id="bad"))
+    seen: dict[str, Any] = {}
+    async with wmo_trio.open_episode_pool(limit=3) as pool:
+        async with pool.fan_out(specs) as results:
+            async for spec, outcome in results:
+                seen[spec.task_id] = outcome
+    assert set(seen) == {*map(str, range(6)), "bad"}
+    assert all(seen[str(i)].unwrap().stop_reason is StopReason.SUBMITTED for i in range(6))
+    with pytest.raises(HarnessError):
+        seen["bad"].unwrap()
+
+
+async def test_cancelling_the_caller_stops_the_episode_and_keeps_a_partial_trace(
+        tmp_path: Path) -> None:
+    trace = tmp_path / "trace.json"
+    with trio.move_on_after(1.0) as scope:
+        async with wmo_trio.open_episode_pool(limit=2) as pool:
+            await pool.run(DOC, bash_then_submit("sleep 30.417"), "go",
+                           LocalProcessEnvironment(tmp_path), trace_path=trace)
+    assert scope.cancelled_caught
+    assert not running("sleep 30.417")
+    record = json.loads(trace.read_text())
+    assert record["partial"] is True and record["stop_reason"] == "cancelled-by-harbor-timeout"
+    assert record["steps"][0]["action"]["name"] == "bash"
+
+
+async def test_leaving_fan_out_early_cancels_what_is_still_running(tmp_path: Path) -> None:
+    specs = [EpisodeSpec(DOC, bash_then_submit(f"sleep 31.{i}2"), "go",
+                         LocalProcessEnvironment(tmp_path), trace_path=tmp_path / f"{i}.json")
+             for i in range(4)]
+    with trio.fail_after(20):  # far below the 31 s commands
+        async with wmo_trio.open_episode_pool(limit=4) as pool:
+            async with pool.fan_out(specs) as results:
+                await trio.sleep(0.5)
+                del results
+    assert not any(running(f"sleep 31.{i}2") for i in range(4))
+    assert all((tmp_path / f"{i}.json").is_file() for i in range(4))
+
+
+async def test_the_pool_limit_bounds_concurrency(tmp_path: Path) -> None:
+    active = {"now": 0, "peak": 0}
+
+    class Counting:
+        async def exec(self, command: str) -> CommandResult:
+            active["now"] += 1
+            active["peak"] = max(active["peak"], active["now"])
+            await trio.sleep(0.2)
+            active["now"] -= 1
+            return CommandResult("", "", 0)
+
+        async def write_file(self, path: str, data: bytes) -> None:
+            pass
+
+    specs = [EpisodeSpec(DOC, bash_then_submit("x"), "go", Counting()) for _ in range(6)]
+    async with wmo_trio.open_episode_pool(limit=2) as pool:
+        async with pool.fan_out(specs) as results:
+            outcomes = [outcome async for _, outcome in results]
+    assert len(outcomes) == 6 and active["peak"] == 2
+
+
+async def test_local_process_environment_kills_a_timed_out_command_group(tmp_path: Path) -> None:
+    environment = LocalProcessEnvironment(tmp_path, command_timeout_sec=0.5)
+    with pytest.raises(TimeoutError):
+        await environment.exec("(sleep 32.51; touch late) & sleep 32.52")
+    assert not running("sleep 32.51") and not running("sleep 32.52")
+
+
+async def test_a_pool_limit_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="limit must be a positive integer"):
+        async with wmo_trio.open_episode_pool(limit=0):
+            pass
+
+
+def test_the_harbor_environment_adapter_runs_under_trio_asyncio(tmp_path: Path) -> None:
+    # An asyncio environment with harbor's exec signature, driven from trio through
+    # trio-asyncio (in its own interpreter: trio-asyncio changes asyncio's policy).
+    code = textwrap.dedent(f"""
+        import asyncio, json, trio
+        import wmo_trio
+        from wmo_trio.engine import run_asyncio
+
+        class AsyncioEnvironment:
+            def __init__(self):
+                self.files = {{}}
+            async def exec(self, command, cwd=None, env=None, timeout_sec=None, user=None):
+                asyncio.get_running_loop()  # proves we are on the asyncio side
+                process = await asyncio.create_subprocess_shell(
+                    command, cwd={str(tmp_path)!r}, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE)
+                out, err = await process.communicate()
+                class Result: pass
+                result = Result()
+                result.stdout, result.stderr, result.return_code = (
+                    out.decode(), err.decode(), process.returncode)
+                return result
+
+        async def main():
+            import trio_asyncio
+            async with trio_asyncio.open_loop():
+                environment = wmo_trio.HarborEnvironment(AsyncioEnvironment())
+                async with wmo_trio.open_episode_pool(limit=2) as pool:
+                    result = await pool.run({DOC!r}, {OFFLINE!r}, {HELLO!r}, environment)
+            print(json.dumps({{"stop": result.stop_reason.value}}))
+
+        trio.run(main)
+    """)
+    completed = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                               text=True, timeout=120, cwd=ROOT, env=dict(os.environ))
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout.splitlines()[-1]) == {"stop": "submitted"}
+    assert (tmp_path / "out/hi.txt").read_text() == "hi\n"
+
+
+def test_the_research_example_runs_its_hundred_episodes() -> None:
+    completed = subprocess.run([sys.executable, "examples/research.py"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    assert "checked correct: 100/100; traces written: 100/100" in completed.stdout

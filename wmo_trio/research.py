@@ -1,0 +1,306 @@
+"""A trio-native API for research harnesses: thousands of episodes, no harbor job needed.
+
+    async with wmo_trio.open_episode_pool(limit=32) as pool:
+        result = await pool.run(doc, {"kind": "scripted", "model": "offline"},
+                                "Create the file `a.txt` ...", LocalProcessEnvironment(workdir))
+        async with pool.fan_out(specs) as results:
+            async for spec, outcome in results:
+                ...
+
+Episodes run on the same engine as the harbor agent, with the same guarantees: when the
+caller's scope is cancelled, the episode is stopped, its worker waited for, and its
+cleanup and trace run shielded before the cancellation propagates.
+
+Environments here are trio-native (`TrioEnvironment`: async `exec` and `write_file`):
+`LocalProcessEnvironment` runs commands with `trio.run_process` in a directory of this
+host, and `HarborEnvironment` wraps a harbor task environment for trio programs that run
+harbor's asyncio code under trio-asyncio.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import math
+import os
+import shlex
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import outcome
+import trio
+
+from wmo_trio.engine import HostCaller, current_engine
+from wmo_trio.engine._hosts import call_asyncio
+from wmo_trio.episode.environment import MAX_COMMAND_TIMEOUT_SEC, CommandResult, ShellEnvironment
+from wmo_trio.episode.runtime import DEFAULT_EPISODE_TIMEOUT_S, EpisodeRuntime
+from wmo_trio.episode.tools import decode_output
+from wmo_trio.harness import HarnessDoc, load_harness, parse_harness
+from wmo_trio.models import RunResult
+from wmo_trio.providers import Provider, ProviderConfig, build_provider
+from wmo_trio.trace import trace_for, write_atomically
+
+__all__ = [
+    "EpisodePool",
+    "EpisodeSpec",
+    "HarborEnvironment",
+    "LocalProcessEnvironment",
+    "TrioEnvironment",
+    "open_episode_pool",
+    "run_harbor_job",
+]
+
+
+@runtime_checkable
+class TrioEnvironment(Protocol):
+    """A task environment for trio code. `exec` runs a shell command within the
+    environment's own command timeout; cancelling a call must stop its command."""
+
+    async def exec(self, command: str) -> CommandResult: ...
+
+    async def write_file(self, path: str, data: bytes) -> None: ...
+
+
+class LocalProcessEnvironment:
+    """Commands run by `bash -c` in `workdir` with `trio.run_process`; each in its own
+    process group, killed (children included) on timeout or cancellation.
+
+    No isolation: the commands see this whole host. For trusted research runs."""
+
+    def __init__(self, workdir: str | Path, *,
+                 command_timeout_sec: float = MAX_COMMAND_TIMEOUT_SEC) -> None:
+        self.workdir = Path(workdir)
+        self.command_timeout_sec = command_timeout_sec
+
+    async def exec(self, command: str) -> CommandResult:
+        limit = self.command_timeout_sec
+
+        async def kill_group(process: trio.Process) -> None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+        with trio.move_on_after(limit) as scope:
+            completed = await trio.run_process(
+                ["/bin/bash", "-c", command], cwd=self.workdir, capture_stdout=True,
+                capture_stderr=True, check=False, stdin=b"", start_new_session=True,
+                deliver_cancel=kill_group,
+            )
+        if scope.cancelled_caught:
+            raise TimeoutError(f"command timed out after {limit:g} s and was killed")
+        return CommandResult(decode_output(completed.stdout), decode_output(completed.stderr),
+                             completed.returncode)
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        target = trio.Path(self.workdir) / path
+        await target.parent.mkdir(parents=True, exist_ok=True)
+        await target.write_bytes(data)
+
+
+class HarborEnvironment:
+    """A harbor task environment (asyncio), for trio code running harbor under trio-asyncio
+    (for example inside `run_harbor_job`, or `wmo_trio.engine.run_asyncio`)."""
+
+    def __init__(self, environment: Any, *,
+                 command_timeout_sec: int = MAX_COMMAND_TIMEOUT_SEC) -> None:
+        self._environment = environment
+        self.command_timeout_sec = command_timeout_sec
+
+    async def exec(self, command: str) -> CommandResult:
+        run = functools.partial(self._environment.exec, timeout_sec=self.command_timeout_sec)
+        result = await call_asyncio(run, command)
+        return CommandResult(result.stdout or "", result.stderr or "", result.return_code)
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        # Through the command line, in pieces well below the kernel's argument limit.
+        quoted = shlex.quote(path)
+        chunks = [data[i:i + 48 * 1024] for i in range(0, len(data), 48 * 1024)] or [b""]
+        for number, chunk in enumerate(chunks):
+            encoded = base64.b64encode(chunk).decode("ascii")
+            redirect = ">" if number == 0 else ">>"
+            prefix = f'mkdir -p -- "$(dirname -- {quoted})" && ' if number == 0 else ""
+            result = await self.exec(f"{prefix}printf %s {encoded} | base64 -d {redirect} {quoted}")
+            if result.return_code != 0:
+                raise OSError(f"writing {path} failed: {result.stderr.strip()[:500]}")
+
+
+class _TrioEnvironmentAdapter(ShellEnvironment):
+    """The episode's (synchronous) view of a trio environment, from the worker thread."""
+
+    def __init__(self, environment: TrioEnvironment, caller: HostCaller) -> None:
+        self._environment = environment
+        self._caller = caller
+
+    def run_command(self, command: str) -> CommandResult:
+        result: CommandResult = self._caller.call_trio(self._environment.exec, command)
+        return result
+
+    def write_file_bytes(self, path: str, data: bytes) -> None:
+        self._caller.call_trio(self._environment.write_file, path, data)
+
+    def interrupt(self) -> None:
+        self._caller.interrupt()
+
+
+@dataclass
+class EpisodeSpec:
+    """One episode to run: what `EpisodePool.run` takes, as data for fan-out."""
+
+    doc: HarnessDoc | Mapping[str, Any] | str | Path
+    provider: ProviderConfig | Mapping[str, Any] | Provider
+    instruction: str
+    environment: TrioEnvironment
+    task_id: str = "episode"
+    episode_timeout: float = DEFAULT_EPISODE_TIMEOUT_S
+    trace_path: str | Path | None = None
+    context_window: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _as_doc(doc: HarnessDoc | Mapping[str, Any] | str | Path) -> HarnessDoc:
+    if isinstance(doc, HarnessDoc):
+        return doc
+    if isinstance(doc, str | Path):
+        return load_harness(doc)
+    return parse_harness(dict(doc))
+
+
+class _PoolEpisode:
+    """An `Episode` (see `wmo_trio.engine.Episode`) for a trio-native environment."""
+
+    def __init__(self, spec: EpisodeSpec, doc: HarnessDoc, provider: Provider,
+                 owns_provider: bool) -> None:
+        self.spec, self.doc, self.provider = spec, doc, provider
+        self._owns_provider = owns_provider
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self.runtime: EpisodeRuntime | None = None
+
+    def run(self) -> RunResult:
+        runtime = EpisodeRuntime(
+            self.doc, self.provider, episode_timeout_s=self.spec.episode_timeout,
+            should_cancel=self._cancel.is_set, context_window=self.spec.context_window,
+            owns_provider=self._owns_provider,
+        )
+        with self._lock:
+            self.runtime = runtime
+        adapter = _TrioEnvironmentAdapter(self.spec.environment, HostCaller())
+        return runtime.run(self.spec.task_id, self.spec.instruction, adapter)
+
+    def stop(self) -> None:
+        self._cancel.set()
+        with self._lock:
+            runtime = self.runtime
+        if runtime is not None:
+            runtime.abort()
+
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
+        elif self._owns_provider:
+            self.provider.close()
+
+    def record(self, result: outcome.Outcome[RunResult], cancelled: bool) -> None:
+        if self.spec.trace_path is None:
+            return
+        log = self.runtime.log if self.runtime is not None else None
+        trace = trace_for(self.spec.task_id, result, cancelled=cancelled, log=log)
+        write_atomically(Path(self.spec.trace_path), trace.model_dump_json(indent=2))
+
+
+class EpisodePool:
+    """Runs episodes on the engine, at most `limit` at a time. Make one with
+    `open_episode_pool`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._limiter = trio.CapacityLimiter(limit)
+        current_engine().ensure_workers(limit)
+
+    async def run(
+        self,
+        doc: HarnessDoc | Mapping[str, Any] | str | Path,
+        provider: ProviderConfig | Mapping[str, Any] | Provider,
+        instruction: str,
+        environment: TrioEnvironment,
+        *,
+        task_id: str = "episode",
+        episode_timeout: float = DEFAULT_EPISODE_TIMEOUT_S,
+        trace_path: str | Path | None = None,
+        context_window: int | None = None,
+    ) -> RunResult:
+        """Run one episode and return its result.
+
+        The document and provider are validated first (errors are raised before anything
+        runs). If the calling scope is cancelled, the episode is stopped, its worker
+        waited for, its trace written (a partial one) under a shield, and `trio.Cancelled`
+        propagates. An exception from the episode is raised as itself.
+        """
+        return await self.run_spec(EpisodeSpec(
+            doc, provider, instruction, environment, task_id=task_id,
+            episode_timeout=episode_timeout, trace_path=trace_path, context_window=context_window))
+
+    async def run_spec(self, spec: EpisodeSpec) -> RunResult:
+        doc = _as_doc(spec.doc)
+        if isinstance(spec.provider, ProviderConfig | Mapping):
+            provider, owns = build_provider(spec.provider), True
+        else:
+            provider, owns = spec.provider, False
+        episode = _PoolEpisode(spec, doc, provider, owns)
+        async with self._limiter:
+            return await current_engine().run_episode(episode, workers=self.limit)
+
+    @asynccontextmanager
+    async def fan_out(
+        self, specs: Iterable[EpisodeSpec]
+    ) -> AsyncIterator[trio.MemoryReceiveChannel[tuple[EpisodeSpec, outcome.Outcome[RunResult]]]]:
+        """Start every episode; the block receives `(spec, outcome)` pairs as episodes
+        finish: `outcome.Value(RunResult)`, or `outcome.Error` for one that raised. The
+        channel closes after the last one.
+
+        Leaving the block cancels the episodes still running, with the engine's guarantees
+        (stopped, waited for, traces written), before the block's exit returns.
+        """
+        send, receive = trio.open_memory_channel[tuple[EpisodeSpec, outcome.Outcome[RunResult]]](
+            math.inf)
+
+        async def one(spec: EpisodeSpec,
+                      channel: trio.MemorySendChannel[tuple[EpisodeSpec, outcome.Outcome[RunResult]]],
+                      ) -> None:
+            async with channel:
+                result = await outcome.acapture(self.run_spec, spec)
+                if isinstance(result, outcome.Error) and isinstance(result.error, trio.Cancelled):
+                    result.unwrap()  # our own cancellation: let it propagate
+                channel.send_nowait((spec, result))
+
+        async with trio.open_nursery() as nursery:
+            async with send:
+                for spec in specs:
+                    nursery.start_soon(one, spec, send.clone())
+            try:
+                yield receive
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def open_episode_pool(limit: int = 64) -> AsyncIterator[EpisodePool]:
+    """A pool of at most `limit` concurrent episodes for this block; cancelling the
+    enclosing scope cancels its episodes with the engine's guarantees."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive integer, got {limit!r}")
+    yield EpisodePool(limit)
+
+
+async def run_harbor_job(config: Any) -> Any:
+    """From trio: run a harbor `Job` for `config` (a `JobConfig`) and return its result,
+    opening trio-asyncio's loop unless one is already open (see `wmo_trio.harbor.run_job`)."""
+    from wmo_trio.harbor import run_job
+
+    return await run_job(config)
