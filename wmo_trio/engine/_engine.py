@@ -139,11 +139,14 @@ class EpisodeEngine:
             except trio.Cancelled:
                 if result is None:
                     stopped = True
-                    calls.interrupt_all()
+                    # stop() first: it marks the episode cancelled before its call in flight
+                    # is interrupted, so the worker cannot take that failure for a reason to
+                    # make one more model call. Then the engine's own backstop.
                     with trio.CancelScope(shield=True):
                         await trio.to_thread.run_sync(
                             _stop, episode, limiter=self._cleanup_limiter
                         )
+                    calls.interrupt_all()
                 # Swallowed on purpose: this task only observes. Re-raising it here would
                 # reach the caller wrapped in an exception group; the caller's own
                 # cancellation is re-delivered by the checkpoint in run_episode.

@@ -185,7 +185,13 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         return HarborEpisode(self, instruction, environment, context)
 
     async def _run_episode(self, episode: HarborEpisode) -> RunResult:
-        return await host_for_running_loop().run_episode(episode, workers=self._episode_workers)
+        try:
+            host = host_for_running_loop()
+        except Exception as error:
+            # Nothing ran, but the trial still gets its trace, as every trial does.
+            episode.record(outcome.Error(error), cancelled=False)
+            raise
+        return await host.run_episode(episode, workers=self._episode_workers)
 
     def _trajectory_info(self, runtime: EpisodeRuntime | None, instruction: str) -> TrajectoryInfo:
         return TrajectoryInfo(
