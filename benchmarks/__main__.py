@@ -1,0 +1,240 @@
+"""The benchmark suite: `python -m benchmarks [--quick] [--out DIR] [--readme]`.
+
+Runs every engine scenario for the asyncio baseline and for wmo_trio under each host (each
+in its own interpreter, since trio-asyncio changes asyncio's loop policy process-wide), the
+real harbor job, and the docker-free environment's start/stop cost. Writes `results.json`,
+`results.md` (each figure for the baseline and every wmo_trio host, with the ratio) and
+PNG plots of start and cancellation latency against the number of concurrent episodes.
+All figures come from this one run on this machine: compare ratios, not absolute values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE_IMPLS = ("baseline", "thread", "guest", "trio-asyncio")
+WMO_HOSTS = ("thread", "guest", "trio-asyncio")
+README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def machine() -> str:
+    cpus = os.cpu_count()
+    memory = ""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            memory = f", {int(meminfo.readline().split()[1]) / 2**20:.0f} GiB"
+    except OSError:
+        pass
+    return (f"{platform.system()} {platform.machine()}, {cpus} cores{memory}, "
+            f"Python {platform.python_version()}")
+
+
+def run_engines(quick: bool) -> dict[str, dict[str, Any]]:
+    """Every implementation in its own interpreter: one after the other in a full run, so
+    they never share the machine; side by side in a quick run, which checks shape only."""
+    def start(impl: str) -> subprocess.Popen[str]:
+        command = [sys.executable, "-W", "ignore", "-m", "benchmarks.engine", "--impl", impl]
+        if quick:
+            command.append("--quick")
+        return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def finish(impl: str, process: subprocess.Popen[str]) -> dict[str, Any]:
+        out, err = process.communicate(timeout=3600)
+        if process.returncode != 0:
+            raise RuntimeError(f"engine benchmark {impl} failed:\n{err[-3000:]}")
+        result: dict[str, Any] = json.loads(out)
+        return result
+
+    if quick:
+        running = {impl: start(impl) for impl in ENGINE_IMPLS}
+        return {impl: finish(impl, process) for impl, process in running.items()}
+    results = {}
+    for impl in ENGINE_IMPLS:
+        print(f"engine scenarios: {impl} ...", file=sys.stderr, flush=True)
+        results[impl] = finish(impl, start(impl))
+    return results
+
+
+def _fmt(value: float, unit: str) -> str:
+    if value != value:  # NaN
+        return "-"
+    if unit in ("ms", "us"):
+        return f"{value:,.1f} {unit}" if value < 100 else f"{value:,.0f} {unit}"
+    if unit == "x":
+        return f"{value:.3f}x"
+    if unit == "s":
+        return f"{value:.2f} s"
+    return f"{value:,.0f}{unit}"
+
+
+def _ratio(value: float, base: float) -> str:
+    if value != value or base != base or base == 0:
+        return "-"
+    return f"{value / base:.2f}"
+
+
+def engine_rows(engine: dict[str, dict[str, Any]]) -> list[tuple[str, str, dict[str, float]]]:
+    """(metric, unit, {impl: value}) for every engine figure."""
+    rows: list[tuple[str, str, dict[str, float]]] = []
+    sizes = [s["n"] for s in engine["baseline"]["start"]]
+    for index, n in enumerate(sizes):
+        for key, label, unit in (("start_p50_ms", "start latency p50", "ms"),
+                                 ("start_p99_ms", "start latency p99", "ms"),
+                                 ("wall_over_ideal", "wall time / ideal", "x"),
+                                 ("heartbeat_p99_ms", "host heartbeat lateness p99", "ms"),
+                                 ("peak_threads", "peak threads", ""),
+                                 ("peak_rss_mb", "peak RSS (MiB)", "")):
+            rows.append((f"{label} @ {n}", unit,
+                         {impl: r["start"][index][key] for impl, r in engine.items()}))
+    rows.append((f"per-episode overhead ({engine['baseline']['overhead']['episodes']:,} tiny "
+                 "episodes)", "us", {i: r["overhead"]["per_episode_us"] for i, r in engine.items()}))
+    rows.append(("tool-call round trip worker -> loop -> worker", "us",
+                 {i: r["round_trip"]["per_call_us"] for i, r in engine.items()}))
+    for index, case in enumerate(engine["baseline"]["cancel"]):
+        what = f"{case['in_flight_s']:g} s {case['during']} in flight, {case['n']} episodes"
+        for key, label in (("cancel_p50_ms", "cancel p50"), ("cancel_p99_ms", "cancel p99")):
+            rows.append((f"{label}, {what}", "ms",
+                         {i: r["cancel"][index][key] for i, r in engine.items()}))
+        rows.append((f"traces on disk, {what}", "",
+                     {i: r["cancel"][index]["traces"] for i, r in engine.items()}))
+    rows.append(("threads left after idle timeout", "",
+                 {i: r["threads_left_after_idle"] for i, r in engine.items()}))
+    return rows
+
+
+def markdown(results: dict[str, Any]) -> str:
+    engine = results["engine"]
+    lines = [
+        f"Measured {results['date']} on {results['machine']} ({results['mode']} run). "
+        "Ratios are wmo_trio over the baseline from the same run; the machine is shared, so "
+        "absolute figures move between runs.",
+        "",
+        "| scenario | baseline (asyncio) | " + " | ".join(f"wmo_trio {h}" for h in WMO_HOSTS)
+        + " | ratio " + " / ".join(WMO_HOSTS) + " |",
+        "|---|---:|" + "---:|" * len(WMO_HOSTS) + "---:|",
+    ]
+    for metric, unit, values in engine_rows(engine):
+        base = values["baseline"]
+        lines.append(
+            f"| {metric} | {_fmt(base, unit)} | "
+            + " | ".join(_fmt(values[h], unit) for h in WMO_HOSTS)
+            + " | " + " / ".join(_ratio(values[h], base) for h in WMO_HOSTS) + " |")
+    job = results.get("harbor_job")
+    if job:
+        lines += [
+            "",
+            f"Real harbor job: {job['n']} trials of `hello-file` at `-n {job['n']}`, docker-free "
+            f"environment, {job['latency_s']:g} s per model call.",
+            "",
+            "| agent / host | wall | mean agent phase | agent overhead per trial | mean reward |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for key, label in (("baseline", "baseline agent, harbor CLI"),
+                           ("wmo_trio", "wmo_trio, harbor CLI (thread host)"),
+                           ("wmo_trio_trio_host", "wmo_trio, `wmo-trio run` (trio host)")):
+            row = job[key]
+            ratio = _ratio(row["wall_s"], job["baseline"]["wall_s"])
+            lines.append(f"| {label} | {row['wall_s']:.2f} s ({ratio}) | {row['agent_mean_s']:.3f} s "
+                         f"| {row['agent_overhead_ms']:.0f} ms | {row['mean_reward']:.2f} |")
+    local = results.get("local_environment")
+    if local:
+        lines += ["", "Docker-free environment: " + ", ".join(
+            f"{k.replace('_', ' ')} {v:.3g}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}"
+            for k, v in local.items() if isinstance(v, int | float)) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict[str, Any], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    engine = results["engine"]
+    written = []
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for impl, result in engine.items():
+        sizes = [s["n"] for s in result["start"]]
+        axis.plot(sizes, [s["start_p99_ms"] for s in result["start"]], marker="o", label=f"{impl} p99")
+        axis.plot(sizes, [s["start_p50_ms"] for s in result["start"]], marker=".", linestyle="--",
+                  label=f"{impl} p50")
+    axis.set(xscale="log", xlabel="concurrent episodes", ylabel="start latency (ms)",
+             title="start latency: run() to the worker")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    written.append(out / "start_latency.png")
+    figure.savefig(written[-1], dpi=120)
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for impl, result in engine.items():
+        for during, marker in (("command", "o"), ("model", "s")):
+            cases = sorted((c for c in result.get("cancel_by_n", result["cancel"])
+                            if c["during"] == during), key=lambda c: c["n"])
+            axis.plot([c["n"] for c in cases], [c["cancel_p99_ms"] for c in cases], marker=marker,
+                      label=f"{impl}, {during} in flight")
+    axis.set(xscale="log", yscale="log", xlabel="concurrent episodes",
+             ylabel="timeout to run() returning, p99 (ms)", title="cancellation latency")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    written.append(out / "cancel_latency.png")
+    figure.savefig(written[-1], dpi=120)
+    plt.close("all")
+    return written
+
+
+def update_readme(table: str) -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        raise SystemExit(f"README.md has no {README_START} ... {README_END} section")
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    readme.write_text(f"{head}{README_START}\n{table}{README_END}{tail}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks")
+    parser.add_argument("--quick", action="store_true", help="every scenario, small sizes")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench-results")
+    parser.add_argument("--readme", action="store_true", help="put the table into README.md")
+    parser.add_argument("--skip-harbor", action="store_true", help="engine scenarios only")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+        "mode": "quick" if args.quick else "full", "engine": {},
+    }
+    results["engine"] = run_engines(args.quick)
+    if not args.skip_harbor:
+        from benchmarks import harbor_job, local_environment
+
+        print("real harbor job ...", file=sys.stderr, flush=True)
+        results["harbor_job"] = harbor_job.run(args.quick)
+        print("docker-free environment ...", file=sys.stderr, flush=True)
+        results["local_environment"] = local_environment.run(args.quick)
+    results["seconds"] = time.perf_counter() - started
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    table = markdown(results)
+    (args.out / "results.md").write_text(table)
+    written = plots(results, args.out)
+    if args.readme:
+        update_readme(table)
+    print(table)
+    print(f"results in {args.out}: results.json, results.md, "
+          + ", ".join(p.name for p in written), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""Engine scenarios, for one implementation per process.
+
+    python -m benchmarks.engine --impl {baseline,thread,guest,trio-asyncio} [--quick]
+
+prints one JSON object. Every scenario drives real `EpisodeRuntime`s (scripted provider,
+set latencies) against a synthetic environment whose commands are asyncio coroutines on the
+host loop, from a harbor-shaped asyncio driver: one task per trial, `asyncio.wait_for`
+timeouts. The implementations differ only in how an episode is run and how its worker
+reaches the loop, so the figures compare exactly that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import outcome
+
+from benchmarks import baseline
+from wmo_trio.episode.environment import CommandResult, ShellEnvironment
+from wmo_trio.episode.runtime import EpisodeRuntime
+from wmo_trio.harness import parse_harness
+from wmo_trio.models import RunResult
+from wmo_trio.providers import ProviderConfig
+from wmo_trio.providers.scripted import ScriptedProvider, load_script
+from wmo_trio.trace import TraceWriter, trace_for
+
+IMPLS = ("baseline", "thread", "guest", "trio-asyncio")
+DOC = parse_harness({"name": "bench", "surfaces": [
+    {"id": "prompt:core", "kind": "prompt", "content": "benchmark"},
+    {"id": "param:max-turns", "kind": "param", "content": "100"},
+    {"id": "param:max-env-actions", "kind": "param", "content": "100"}]})
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def script(tool_calls: int, model_latency: float = 0.0) -> ScriptedProvider:
+    replies: list[dict[str, Any]] = [
+        {"tool_calls": [{"name": "bash", "arguments": {"command": "step"}}],
+         "latency_s": model_latency} for _ in range(tool_calls)]
+    replies.append({"tool_calls": [{"name": "submit", "arguments": {"answer": "ok"}}],
+                    "latency_s": 0.0})
+    return ScriptedProvider(ProviderConfig(kind="scripted", model="bench"),
+                            script=load_script(replies))
+
+
+async def host_exec(latency: float) -> CommandResult:
+    if latency:
+        await asyncio.sleep(latency)
+    return CommandResult("ok\n", "", 0)
+
+
+class SyntheticEnvironment(ShellEnvironment):
+    """Every command is an asyncio sleep of `latency` seconds on the host loop."""
+
+    def __init__(self, caller: Any, latency: float) -> None:
+        self._caller = caller
+        self._latency = latency
+
+    def run_command(self, command: str) -> CommandResult:
+        result: CommandResult = self._caller.call(host_exec, self._latency)
+        return result
+
+    def write_file_bytes(self, path: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def interrupt(self) -> None:
+        self._caller.interrupt()
+
+
+class BenchEpisode:
+    """One episode of the benchmark, with the marks the scenarios read."""
+
+    def __init__(self, impl: str, provider: ScriptedProvider, exec_latency: float,
+                 trace_dir: Path | None, loop: asyncio.AbstractEventLoop) -> None:
+        self.impl, self.provider, self.exec_latency = impl, provider, exec_latency
+        self.trace_dir, self.loop = trace_dir, loop
+        self.cancel = threading.Event()
+        self.runtime: EpisodeRuntime | None = None
+        self.lock = threading.Lock()
+        self.submitted = 0.0
+        self.worker_started = 0.0
+
+    def _caller(self) -> Any:
+        if self.impl == "baseline":
+            return baseline.BaselineCaller(self.loop)
+        from wmo_trio.engine import HostCaller
+
+        return HostCaller()
+
+    def run(self) -> RunResult:
+        self.worker_started = time.perf_counter()
+        runtime = EpisodeRuntime(DOC, self.provider, episode_timeout_s=3600,
+                                 should_cancel=self.cancel.is_set)
+        with self.lock:
+            self.runtime = runtime
+        environment = SyntheticEnvironment(self._caller(), self.exec_latency)
+        return runtime.run("bench", "go", environment)
+
+    def stop(self) -> None:
+        self.cancel.set()
+        with self.lock:
+            if self.runtime is not None:
+                self.runtime.abort()
+
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
+
+    def record(self, result: outcome.Outcome[RunResult], cancelled: bool) -> None:
+        if self.trace_dir is not None:
+            log = self.runtime.log if self.runtime else None
+            TraceWriter(self.trace_dir).write(trace_for("bench", result, cancelled=cancelled,
+                                                        log=log))
+
+
+def submitter(impl: str) -> Callable[[Any, int], Awaitable[RunResult]]:
+    if impl == "baseline":
+        return lambda episode, workers: baseline.run_episode(episode, workers=workers)
+    from wmo_trio.engine import LoopServingHost, TrioAsyncioHost
+
+    if impl == "trio-asyncio":
+        host: Any = TrioAsyncioHost()
+    else:
+        host = LoopServingHost.for_loop(asyncio.get_running_loop(), impl)  # type: ignore[arg-type]
+    return lambda episode, workers: host.run_episode(episode, workers=workers)
+
+
+class Sampler:
+    """Samples thread count and RSS from a thread, and the host loop's heartbeat lateness."""
+
+    def __init__(self) -> None:
+        self.peak_threads = threading.active_count()
+        self.peak_rss_mb = rss_mb()
+        self.lateness_ms: list[float] = []
+        self._running = True
+
+    def _sample(self) -> None:
+        while self._running:
+            self.peak_threads = max(self.peak_threads, threading.active_count())
+            self.peak_rss_mb = max(self.peak_rss_mb, rss_mb())
+            time.sleep(0.01)
+
+    async def heartbeat(self) -> None:
+        while self._running:
+            before = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.lateness_ms.append((time.perf_counter() - before - 0.001) * 1000)
+
+    def __enter__(self) -> Sampler:
+        threading.Thread(target=self._sample, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._running = False
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+async def start_latency(impl: str, n: int, calls: int, latency: float) -> dict[str, Any]:
+    """n concurrent episodes of `calls` tool calls of `latency` s each."""
+    loop = asyncio.get_running_loop()
+    submit = submitter(impl)
+    episodes = [BenchEpisode(impl, script(calls), latency, None, loop) for _ in range(n)]
+
+    async def trial(episode: BenchEpisode) -> None:
+        episode.submitted = time.perf_counter()
+        await asyncio.wait_for(submit(episode, n), 600)
+
+    with Sampler() as sampler:
+        beat = asyncio.ensure_future(sampler.heartbeat())
+        started = time.perf_counter()
+        await asyncio.gather(*(trial(e) for e in episodes))
+        wall = time.perf_counter() - started
+        sampler._running = False
+        await beat
+    delays = [(e.worker_started - e.submitted) * 1000 for e in episodes]
+    ideal = calls * latency
+    return {"n": n, "start_p50_ms": percentile(delays, 50), "start_p99_ms": percentile(delays, 99),
+            "wall_s": wall, "ideal_s": ideal, "wall_over_ideal": wall / ideal,
+            "heartbeat_p99_ms": percentile(sampler.lateness_ms, 99),
+            "peak_threads": sampler.peak_threads, "peak_rss_mb": sampler.peak_rss_mb}
+
+
+async def overhead(impl: str, episodes: int) -> dict[str, Any]:
+    """Sequential tiny episodes: one model call that submits, nothing else."""
+    loop = asyncio.get_running_loop()
+    submit = submitter(impl)
+    provider = script(0)
+    started = time.perf_counter()
+    for _ in range(episodes):
+        await submit(BenchEpisode(impl, provider, 0.0, None, loop), 64)
+    wall = time.perf_counter() - started
+    return {"episodes": episodes, "per_episode_us": wall / episodes * 1e6}
+
+
+class RoundTrips(BenchEpisode):
+    """An episode whose worker makes `count` no-op calls into the host loop."""
+
+    def __init__(self, impl: str, loop: asyncio.AbstractEventLoop, count: int) -> None:
+        super().__init__(impl, script(0), 0.0, None, loop)
+        self.count = count
+        self.per_call_us = 0.0
+
+    def run(self) -> RunResult:
+        caller = self._caller()
+        started = time.perf_counter()
+        for _ in range(self.count):
+            caller.call(host_exec, 0.0)
+        self.per_call_us = (time.perf_counter() - started) / self.count * 1e6
+        return super().run()
+
+
+async def round_trip(impl: str, count: int) -> dict[str, Any]:
+    episode = RoundTrips(impl, asyncio.get_running_loop(), count)
+    await submitter(impl)(episode, 4)
+    return {"calls": count, "per_call_us": episode.per_call_us}
+
+
+async def cancellation(impl: str, n: int, long_s: float, during: str,
+                       trial_timeout: float) -> dict[str, Any]:
+    """n episodes timed out while a long command or model call is in flight."""
+    loop = asyncio.get_running_loop()
+    submit = submitter(impl)
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        episodes = [
+            BenchEpisode(impl, script(1, long_s if during == "model" else 0.0),
+                         long_s if during == "command" else 0.0, root / str(i), loop)
+            for i in range(n)]
+
+        async def trial(episode: BenchEpisode) -> float:
+            deadline = time.perf_counter() + trial_timeout
+            try:
+                await asyncio.wait_for(submit(episode, n), trial_timeout)
+            except TimeoutError:
+                return (time.perf_counter() - deadline) * 1000
+            return float("nan")
+
+        delays = await asyncio.gather(*(trial(e) for e in episodes))
+        traces = sum(1 for i in range(n) if (root / str(i) / "wmo-run.json").is_file())
+    timed_out = [d for d in delays if d == d]
+    return {"n": n, "during": during, "in_flight_s": long_s, "timed_out": len(timed_out),
+            "cancel_p50_ms": percentile(timed_out, 50), "cancel_p99_ms": percentile(timed_out, 99),
+            "traces": traces}
+
+
+async def scenarios(impl: str, quick: bool) -> dict[str, Any]:
+    sizes = [16, 64] if quick else [64, 256, 1024]
+    results: dict[str, Any] = {"impl": impl, "start": []}
+    for n in sizes:
+        results["start"].append(await start_latency(impl, n, 10, 0.05))
+    results["overhead"] = await overhead(impl, 500 if quick else 5000)
+    results["round_trip"] = await round_trip(impl, 500 if quick else 5000)
+    long_s = 2.0 if quick else 30.0
+    results["cancel"] = [await cancellation(impl, 32 if quick else 256, long_s, during, 0.5)
+                         for during in ("command", "model")]
+    # the same at every size, for the cancellation plot
+    results["cancel_by_n"] = [await cancellation(impl, n, long_s, during, 0.5)
+                              for n in sizes for during in ("command", "model")]
+    return results
+
+
+def threads_after_idle(before: int, idle_s: float) -> int:
+    time.sleep(idle_s)
+    return threading.active_count() - before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", choices=IMPLS, required=True)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    before = threading.active_count()
+    if args.impl == "trio-asyncio":
+        from wmo_trio.engine import run
+
+        results = run(scenarios, args.impl, args.quick)
+    else:
+        results = asyncio.run(scenarios(args.impl, args.quick))
+    if args.impl == "baseline":
+        # The original never shut its executor down; its threads stay until exit.
+        results["threads_left_after_idle"] = threads_after_idle(before, 11.0)
+        baseline.shutdown_executor()
+    else:
+        # trio's worker threads exit after 10 s idle; the engine thread with its loop.
+        results["threads_left_after_idle"] = threads_after_idle(before, 11.0)
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

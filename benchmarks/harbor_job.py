@@ -1,0 +1,93 @@
+"""Scenario 7: a real harbor job on the docker-free environment, per agent and host.
+
+`n` attempts of the `hello-file` example task at `-n n`, the scripted offline policy with a
+set latency per model call, run three ways: harbor's own CLI with the wmo_trio agent
+(plain asyncio loop, the engine's thread host), `wmo-trio run` (trio owns the loop), and
+harbor's CLI with the baseline agent. Figures come from harbor's own result files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+TASK = ROOT / "examples" / "tasks" / "hello-file"
+HARNESS = ROOT / "examples" / "harness.json"
+LATENCY_S = 0.2
+CALLS = 3  # the offline policy's plan for hello-file
+
+
+def _seconds(start: str, end: str) -> float:
+    return (datetime.fromisoformat(end.replace("Z", "+00:00"))
+            - datetime.fromisoformat(start.replace("Z", "+00:00"))).total_seconds()
+
+
+def _summarise(job_dir: Path, wall: float) -> dict[str, Any]:
+    results = [json.loads(p.read_text()) for p in job_dir.glob("*/result.json")]
+    agent = [_seconds(r["agent_execution"]["started_at"], r["agent_execution"]["finished_at"])
+             for r in results if r.get("agent_execution")]
+    rewards = [((r.get("verifier_result") or {}).get("rewards") or {}).get("reward", 0.0)
+               for r in results]
+    ideal = CALLS * LATENCY_S
+    return {
+        "trials": len(results), "wall_s": wall,
+        "mean_reward": sum(rewards) / len(rewards) if rewards else 0.0,
+        "errors": sum(1 for r in results if r.get("exception_info")),
+        "agent_mean_s": sum(agent) / len(agent) if agent else float("nan"),
+        "agent_overhead_ms": (sum(agent) / len(agent) - ideal) * 1000 if agent else float("nan"),
+    }
+
+
+def _jobs(quick: bool, jobs: Path, n: int) -> dict[str, list[str]]:
+    provider = json.dumps({"kind": "scripted", "model": "offline", "latency_s": LATENCY_S})
+    bin_dir = Path(sys.executable).parent
+    harbor = [str(bin_dir / "harbor"), "run", "-p", str(TASK), "-k", str(n), "-n", str(n),
+              "-o", str(jobs), "-y", "-q", "-m", "scripted/offline", "--ak", f"harness={HARNESS}",
+              "--ak", f"provider_config={provider}", "--ak", f"episode_workers={n}",
+              "-e", "wmo_trio.harbor:LocalEnvironment"]
+    return {
+        "baseline": [*harbor, "--job-name", "baseline",
+                     "-a", "benchmarks.baseline_agent:BaselineHarborAgent"],
+        "wmo_trio": [*harbor, "--job-name", "wmo_trio", "-a", "wmo_trio.harbor:WmoTrioHarborAgent"],
+        "wmo_trio_trio_host": [
+            str(bin_dir / "wmo-trio"), "run", "-p", str(TASK), "-k", str(n), "-n", str(n),
+            "-o", str(jobs), "--job-name", "wmo_trio_trio_host",
+            "-e", "wmo_trio.harbor:LocalEnvironment",
+            "--provider-config", json.dumps({"latency_s": LATENCY_S})],
+    }
+
+
+def run(quick: bool) -> dict[str, Any]:
+    """The three jobs one after the other (side by side in a quick run, shape only)."""
+    n = 8 if quick else 64
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "PYTHONPATH": str(ROOT)}
+    results: dict[str, Any] = {"n": n, "latency_s": LATENCY_S}
+    with tempfile.TemporaryDirectory() as scratch:
+        jobs = Path(scratch)
+        commands = _jobs(quick, jobs, n)
+        pending = list(commands.items())
+        while pending:
+            batch = pending if quick else pending[:1]
+            pending = [] if quick else pending[1:]
+            started = time.perf_counter()
+            running = {name: subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True)
+                       for name, command in batch}
+            for name, process in running.items():
+                _, err = process.communicate(timeout=900)
+                if process.returncode != 0:
+                    raise RuntimeError(f"harbor job {name} failed: {err[-2000:]}")
+                results[name] = _summarise(jobs / name, time.perf_counter() - started)
+    return results
+
+
+if __name__ == "__main__":
+    json.dump(run("--quick" in sys.argv), sys.stdout, indent=2)

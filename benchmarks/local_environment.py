@@ -1,0 +1,185 @@
+"""What ``LocalEnvironment`` costs per trial, next to harbor's own per-trial work.
+
+Two measurements:
+
+- ``start_stop``: environment ``start`` + ``stop(delete=True)`` for N sequential trials
+  of the hello-file task (no exec in between), median and p90.
+- ``job``: the wall time of an oracle job of hello-file trials run through harbor's own
+  ``Job`` API, with the phase durations harbor records in each trial's result
+  (environment setup, agent execution, verifier, and the remainder, which includes
+  stopping the environment and harbor's own bookkeeping).
+
+Run ``python benchmarks/local_environment.py [--quick]``; it prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+REPO = Path(__file__).resolve().parents[1]
+TASK = REPO / "examples" / "tasks" / "hello-file"
+
+
+def _summary(samples_sec: list[float]) -> dict[str, float]:
+    ordered = sorted(samples_sec)
+    p90_index = min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))
+    return {
+        "median_ms": round(statistics.median(ordered) * 1000, 2),
+        "p90_ms": round(ordered[p90_index] * 1000, 2),
+        "min_ms": round(ordered[0] * 1000, 2),
+        "max_ms": round(ordered[-1] * 1000, 2),
+    }
+
+
+async def _start_stop(n_trials: int, scratch: Path) -> dict[str, Any]:
+    from harbor.models.task.config import EnvironmentConfig
+    from harbor.models.trial.paths import TrialPaths
+
+    from wmo_trio.harbor import LocalEnvironment
+
+    start_sec: list[float] = []
+    stop_sec: list[float] = []
+    total_sec: list[float] = []
+    for index in range(n_trials):
+        trial_paths = TrialPaths(scratch / f"trial-{index}")
+        trial_paths.mkdir()
+        environment = LocalEnvironment(
+            environment_dir=TASK / "environment",
+            environment_name=TASK.name,
+            session_id=f"bench-{index}__env",
+            trial_paths=trial_paths,
+            task_env_config=EnvironmentConfig(),
+            state_dir=scratch / "state",
+        )
+        began = time.perf_counter()
+        await environment.start(force_build=False)
+        started = time.perf_counter()
+        await environment.stop(delete=True)
+        stopped = time.perf_counter()
+        start_sec.append(started - began)
+        stop_sec.append(stopped - started)
+        total_sec.append(stopped - began)
+    return {
+        "n_trials": n_trials,
+        "start_plus_stop": _summary(total_sec),
+        "start": _summary(start_sec),
+        "stop": _summary(stop_sec),
+    }
+
+
+def _duration(timing: dict[str, Any] | None) -> float | None:
+    if not timing or not timing.get("started_at") or not timing.get("finished_at"):
+        return None
+    began = datetime.fromisoformat(timing["started_at"])
+    ended = datetime.fromisoformat(timing["finished_at"])
+    return (ended - began).total_seconds()
+
+
+async def _job(n_trials: int, n_concurrent: int, scratch: Path) -> dict[str, Any]:
+    from harbor.job import Job
+    from harbor.models.job.config import JobConfig
+    from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig
+
+    config = JobConfig(
+        job_name="bench",
+        jobs_dir=scratch / "jobs",
+        n_attempts=n_trials,
+        n_concurrent_trials=n_concurrent,
+        quiet=True,
+        agents=[AgentConfig(name="oracle")],
+        environment=EnvironmentConfig(
+            import_path="wmo_trio.harbor:LocalEnvironment",
+            kwargs={"state_dir": str(scratch / "state")},
+        ),
+        tasks=[TaskConfig(path=TASK)],
+    )
+    began = time.perf_counter()
+    job = await Job.create(config)
+    await job.run()
+    wall_sec = time.perf_counter() - began
+
+    phases: dict[str, list[float]] = {
+        "trial": [], "environment_setup": [], "agent_execution": [], "verifier": [],
+        "remainder": [],
+    }
+    rewards: list[float | None] = []
+    for path in sorted((scratch / "jobs" / "bench").glob("*/result.json")):
+        result = json.loads(path.read_text())
+        rewards.append(((result.get("verifier_result") or {}).get("rewards") or {}).get("reward"))
+        trial = _duration({"started_at": result["started_at"],
+                           "finished_at": result["finished_at"]})
+        parts = {name: _duration(result.get(name))
+                 for name in ("environment_setup", "agent_execution", "verifier")}
+        if trial is None or any(value is None for value in parts.values()):
+            continue
+        phases["trial"].append(trial)
+        for name, value in parts.items():
+            assert value is not None
+            phases[name].append(value)
+        phases["remainder"].append(trial - sum(v for v in parts.values() if v is not None))
+    return {
+        "n_trials": n_trials,
+        "n_concurrent": n_concurrent,
+        "wall_sec": round(wall_sec, 3),
+        "trials_per_sec": round(n_trials / wall_sec, 2),
+        "passed": sum(1 for reward in rewards if reward == 1.0),
+        "per_trial_phases": {name: _summary(values) for name, values in phases.items() if values},
+    }
+
+
+def run(quick: bool) -> dict[str, Any]:
+    """Measure and return the figures; ``quick`` shrinks every sample."""
+    with tempfile.TemporaryDirectory(prefix=f"bench-local-env-{uuid.uuid4().hex[:6]}-") as tmp:
+        scratch = Path(tmp)
+        (scratch / "start-stop").mkdir()
+        (scratch / "job").mkdir()
+        start_stop = asyncio.run(_start_stop(10 if quick else 50, scratch / "start-stop"))
+        # harbor draws its progress bar on stdout even when quiet; keep stdout for JSON.
+        with contextlib.redirect_stdout(sys.stderr):
+            job = asyncio.run(_job(8 if quick else 64, 4 if quick else 16, scratch / "job"))
+    phases = job["per_trial_phases"]
+    return {
+        # Flat headline figures first (what a summary table shows), details after.
+        "start_stop_median_ms": start_stop["start_plus_stop"]["median_ms"],
+        "start_stop_p90_ms": start_stop["start_plus_stop"]["p90_ms"],
+        "job_trials": job["n_trials"],
+        "job_concurrency": job["n_concurrent"],
+        "job_wall_s": job["wall_sec"],
+        "job_passed": job["passed"],
+        "trial_median_ms": phases["trial"]["median_ms"],
+        "environment_setup_median_ms": phases["environment_setup"]["median_ms"],
+        "agent_execution_median_ms": phases["agent_execution"]["median_ms"],
+        "verifier_median_ms": phases["verifier"]["median_ms"],
+        "details": {
+            "mode": "quick" if quick else "full",
+            "cpus": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "environment_start_stop": start_stop,
+            "oracle_job": job,
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small samples")
+    arguments = parser.parse_args()
+    print(json.dumps(run(arguments.quick), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,968 @@
+"""`WmoTrioHarborAgent` in real harbor trials (CONTRACT sections 4 and 5).
+
+Every `harbor`-marked test runs harbor itself in a subprocess (its CLI, or a script that
+runs a `Job` under `trio.run`), on real task directories, in the docker-free
+`wmo_trio.harbor:LocalEnvironment`, with the scripted provider playing the model. The
+tests read what harbor wrote: each trial's `result.json` and the agent's `wmo-run.json` and
+`trajectory.json`. Nothing of harbor or wmo_trio is mocked; the few defects the episode
+cannot produce on its own are injected by a plugin module that harbor imports as the agent
+(see `DEFECTS_PLUGIN`).
+
+Trio-asyncio changes asyncio's global loop policy when imported, so it is only ever
+imported in subprocesses, never in the pytest process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+from harbor.models.trajectories import Trajectory
+
+from wmo_trio.harbor import AGENT_NAME, WmoTrioHarborAgent
+from wmo_trio.harness import load_harness
+from wmo_trio.models import ActionKind, RunResult
+from wmo_trio.trace import CANCELLED_STOP_REASON, PartialTrace, Trace, parse_trace
+
+REPO = Path(__file__).resolve().parents[1]
+HARNESS = REPO / "examples" / "harness.json"
+EXAMPLE_TASKS = REPO / "examples" / "tasks"
+AGENT = "wmo_trio.harbor:WmoTrioHarborAgent"
+LOCAL_ENVIRONMENT = "wmo_trio.harbor:LocalEnvironment"
+OFFLINE = {"kind": "scripted", "model": "offline"}
+# How long any one harbor job may take before the test gives up on it (a hang, not a
+# slow machine: every job here takes seconds).
+JOB_TIMEOUT_S = 240
+
+
+# -- running harbor ---------------------------------------------------------------------
+
+
+def harbor_env(**extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key != "WMO_TRIO_HOST"}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", **extra)
+    return env
+
+
+def harbor_executable() -> str:
+    found = shutil.which("harbor", path=str(Path(sys.executable).parent)) or shutil.which("harbor")
+    assert found, "the harbor command line is not installed next to this python"
+    return found
+
+
+@dataclass
+class TrialRecord:
+    """What harbor and the agent left in one trial directory."""
+
+    path: Path
+
+    @cached_property
+    def result(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.path / "result.json").read_text())
+        return data
+
+    @property
+    def task(self) -> str:
+        return str(self.result["task_name"])
+
+    @property
+    def reward(self) -> float | None:
+        verifier = self.result.get("verifier_result")
+        return None if verifier is None else verifier["rewards"]["reward"]
+
+    @property
+    def exception_type(self) -> str | None:
+        info = self.result.get("exception_info")
+        return None if info is None else str(info["exception_type"])
+
+    @property
+    def agent_result(self) -> dict[str, Any]:
+        agent_result: dict[str, Any] = self.result["agent_result"]
+        return agent_result
+
+    @cached_property
+    def trace(self) -> Trace:
+        return parse_trace((self.path / "agent" / "wmo-run.json").read_bytes())
+
+    def trajectory(self) -> Trajectory:
+        return Trajectory.model_validate_json((self.path / "agent" / "trajectory.json").read_bytes())
+
+    def phase_seconds(self, phase: str) -> tuple[float, float]:
+        timing = self.result[phase]
+        return _timestamp(timing["started_at"]), _timestamp(timing["finished_at"])
+
+    def describe(self) -> str:
+        info = self.result.get("exception_info") or {}
+        return (f"{self.path.name}: reward={self.reward} exception={self.exception_type} "
+                f"{str(info.get('exception_message', ''))[:300]}")
+
+
+def _timestamp(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+class HarborJob:
+    """One harbor job run in a subprocess of its own session (so a hung job is killed with
+    every process it started). `start()` returns at once; `trials()` waits for the end."""
+
+    def __init__(self, argv: list[str], job_dir: Path, env: Mapping[str, str]) -> None:
+        self.argv = argv
+        self.job_dir = job_dir
+        self.env = dict(env)
+        self._process: subprocess.Popen[str] | None = None
+        self._trials: list[TrialRecord] | None = None
+
+    def start(self) -> HarborJob:
+        self._process = subprocess.Popen(
+            self.argv, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )
+        return self
+
+    def trials(self) -> list[TrialRecord]:
+        if self._trials is not None:
+            return self._trials
+        if self._process is None:
+            self.start()
+        assert self._process is not None
+        try:
+            output, _ = self._process.communicate(timeout=JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self._process.pid, signal.SIGKILL)
+            output, _ = self._process.communicate()
+            pytest.fail(f"harbor job {self.job_dir} did not finish in {JOB_TIMEOUT_S} s:\n"
+                        f"{output[-4000:]}")
+        assert self._process.returncode == 0, (
+            f"harbor exited with {self._process.returncode}:\n{output[-4000:]}"
+        )
+        trials = [TrialRecord(p.parent) for p in sorted(self.job_dir.glob("*/result.json"))]
+        assert trials, f"harbor wrote no trial results under {self.job_dir}:\n{output[-4000:]}"
+        self._trials = trials
+        return trials
+
+
+def harbor_run(
+    jobs_dir: Path,
+    tasks: Path,
+    *,
+    provider_config: Mapping[str, Any] = OFFLINE,
+    agent: str = AGENT,
+    agent_kwargs: Mapping[str, Any] | None = None,
+    attempts: int = 1,
+    concurrent: int = 4,
+    env: Mapping[str, str] | None = None,
+    job_name: str = "job",
+) -> HarborJob:
+    """`harbor run` of this agent on `tasks` (a task, or a directory of tasks)."""
+    model = f"{provider_config['kind']}/{provider_config['model']}"
+    kwargs = {"harness": str(HARNESS), "provider_config": dict(provider_config),
+              **(agent_kwargs or {})}
+    argv = [harbor_executable(), "run", "-p", str(tasks), "-a", agent, "-m", model,
+            "-e", LOCAL_ENVIRONMENT, "-o", str(jobs_dir), "--job-name", job_name,
+            "-k", str(attempts), "-n", str(concurrent), "-y", "-q"]
+    for key, value in kwargs.items():
+        argv += ["--ak", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    return HarborJob(argv, jobs_dir / job_name, harbor_env(**(env or {})))
+
+
+# -- tasks and scripts ------------------------------------------------------------------
+
+
+def make_task(root: Path, name: str, *, base: str = "hello-file", agent_timeout_sec: float | None = None,
+              instruction: str | None = None, test_sh: str | None = None) -> Path:
+    """A copy of an example task under `root`, with the given changes."""
+    task = root / name
+    shutil.copytree(EXAMPLE_TASKS / base, task)
+    if agent_timeout_sec is not None:
+        toml = (task / "task.toml").read_text()
+        changed, count = re.subn(r"(\[agent\]\ntimeout_sec = )[0-9.]+", rf"\g<1>{agent_timeout_sec}", toml)
+        assert count == 1, "the example task.toml no longer has an [agent] timeout_sec line"
+        (task / "task.toml").write_text(changed)
+    if instruction is not None:
+        (task / "instruction.md").write_text(instruction)
+    if test_sh is not None:
+        (task / "tests" / "test.sh").write_text(textwrap.dedent(test_sh).lstrip())
+    return task
+
+
+def call(name: str, **arguments: str) -> dict[str, Any]:
+    return {"name": name, "arguments": arguments}
+
+
+def scripted(path: Path, replies: list[dict[str, Any]], **settings: Any) -> dict[str, Any]:
+    """A scripted provider config whose script is a file (never a command-line argument, so
+    no process's command line carries what the script runs)."""
+    path.write_text(json.dumps(replies))
+    return {"kind": "scripted", "model": "s", "script": str(path), **settings}
+
+
+def tool_steps(trace: Trace) -> list[Any]:
+    return [step for step in trace.steps if step.action.kind is ActionKind.TOOL_CALL]
+
+
+# =======================================================================================
+# 1. `harbor run` on the example tasks
+# =======================================================================================
+
+EXPECTED_EXAMPLE_OUTCOMES = {
+    "hello-file": (1.0, None),
+    "calc-package": (1.0, None),
+    "proof-of-work": (0.0, "AgentTimeoutError"),
+}
+
+
+def outcomes(trials: list[TrialRecord]) -> dict[str, tuple[float | None, str | None]]:
+    return {trial.task: (trial.reward, trial.exception_type) for trial in trials}
+
+
+@pytest.fixture(scope="module")
+def example_job(tmp_path_factory: pytest.TempPathFactory) -> list[TrialRecord]:
+    jobs = tmp_path_factory.mktemp("example-jobs")
+    return harbor_run(jobs, EXAMPLE_TASKS, concurrent=3).trials()
+
+
+@pytest.mark.harbor
+def test_harbor_cli_gives_the_example_tasks_their_expected_rewards(
+    example_job: list[TrialRecord],
+) -> None:
+    assert outcomes(example_job) == EXPECTED_EXAMPLE_OUTCOMES, [t.describe() for t in example_job]
+
+
+@pytest.mark.harbor
+def test_harbor_cli_trials_each_leave_a_valid_trace_and_atif_trajectory(
+    example_job: list[TrialRecord],
+) -> None:
+    for trial in example_job:
+        trace = trial.trace  # parse_trace validates it against the contract's schema
+        trajectory = trial.trajectory()
+        assert trace.task_id == trial.result["id"], trial.describe()  # harbor's context_id
+        assert trajectory.agent.name == AGENT_NAME
+        if trial.task == "proof-of-work":
+            assert isinstance(trace, PartialTrace)
+            assert trace.stop_reason == CANCELLED_STOP_REASON
+        else:
+            assert isinstance(trace, RunResult)
+            assert trace.stop_reason == "submitted"
+
+
+@pytest.mark.harbor
+def test_harbor_cli_trials_report_usage_and_candidate_metadata(
+    example_job: list[TrialRecord],
+) -> None:
+    doc_hash = load_harness(HARNESS).doc_hash
+    for trial in example_job:
+        agent_result, trace = trial.agent_result, trial.trace
+        usage = trace.worker_usage
+        assert usage is not None and usage.calls >= 1, trial.describe()
+        assert agent_result["n_input_tokens"] > 0
+        assert agent_result["n_input_tokens"] == usage.input_tokens
+        assert agent_result["n_output_tokens"] == usage.output_tokens
+        assert agent_result["n_cache_tokens"] == usage.cached_input_tokens
+        assert agent_result["metadata"] == {
+            "candidate_doc_hash": doc_hash,
+            "stop_reason": str(trace.stop_reason),
+            "turns": trace.turns,
+        }
+
+
+# =======================================================================================
+# 2. The same job with trio owning the process
+# =======================================================================================
+
+TRIO_OWNED_JOB = """
+import sys
+from pathlib import Path
+
+import trio
+from harbor.models.job.config import JobConfig
+from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig
+
+from wmo_trio.harbor import run_job
+
+jobs_dir, harness, tasks = map(Path, sys.argv[1:4])
+config = JobConfig(
+    job_name="trio-owned",
+    jobs_dir=jobs_dir,
+    n_concurrent_trials=3,
+    quiet=True,
+    agents=[AgentConfig(
+        import_path="wmo_trio.harbor:WmoTrioHarborAgent",
+        model_name="scripted/offline",
+        kwargs={"harness": str(harness),
+                "provider_config": {"kind": "scripted", "model": "offline"}},
+    )],
+    environment=EnvironmentConfig(import_path="wmo_trio.harbor:LocalEnvironment"),
+    tasks=[TaskConfig(path=tasks / name) for name in sys.argv[4:]],
+)
+trio.run(run_job, config)
+"""
+
+
+@pytest.mark.harbor
+def test_trio_owned_job_gives_the_same_rewards_as_the_harbor_cli(
+    tmp_path: Path, example_job: list[TrialRecord],
+) -> None:
+    script = tmp_path / "trio_owned_job.py"
+    script.write_text(TRIO_OWNED_JOB)
+    argv = [sys.executable, str(script), str(tmp_path / "jobs"), str(HARNESS), str(EXAMPLE_TASKS),
+            *EXPECTED_EXAMPLE_OUTCOMES]
+    # An invalid WMO_TRIO_HOST makes the asyncio-owned host refuse to start, so these
+    # rewards can only come from episodes run by the trio-asyncio host.
+    job = HarborJob(argv, tmp_path / "jobs" / "trio-owned", harbor_env(WMO_TRIO_HOST="refuse"))
+    trials = job.trials()
+
+    assert outcomes(trials) == outcomes(example_job), [t.describe() for t in trials]
+    assert {t.task: str(t.trace.stop_reason) for t in trials} == {
+        t.task: str(t.trace.stop_reason) for t in example_job
+    }
+
+
+# =======================================================================================
+# 3. Harbor's agent timeout, with a command sleeping past it
+# =======================================================================================
+
+SLEEP = "sleep 30.123"  # a duration no other process on this machine uses
+TIMEOUT_S = 3.0
+TIMEOUT_TRIALS = 32
+SCRIPTED_USAGE = {"input_tokens": 1500, "output_tokens": 40, "cached_input_tokens": 1200, "calls": 1}
+
+# The verifier runs inside the trial's environment: it passes only if the sleeping command
+# (and what it would have done afterwards) is gone by the time harbor verifies.
+LEFTOVER_CHECK = f"""
+    #!/bin/sh
+    mkdir -p /logs/verifier
+    if pgrep -f '{SLEEP}' >/dev/null || [ -e /app/late.txt ]; then
+        echo "the agent's command outlived its trial's agent phase:"
+        ls -l /app/late.txt 2>&1
+        ps -eo pid,ppid,pgid,sid,etimes,args 2>&1
+        echo 0 > /logs/verifier/reward.txt
+    else
+        echo 1 > /logs/verifier/reward.txt
+    fi
+"""
+
+
+@pytest.fixture(scope="module")
+def timeout_job(tmp_path_factory: pytest.TempPathFactory) -> list[TrialRecord]:
+    root = tmp_path_factory.mktemp("timeout")
+    task = make_task(root / "tasks", "sleepy", agent_timeout_sec=TIMEOUT_S, test_sh=LEFTOVER_CHECK)
+    provider = scripted(root / "script.json", [
+        {"text": "first", "tool_calls": [call("bash", command="echo first")],
+         "usage": SCRIPTED_USAGE},
+        {"text": "now wait", "tool_calls": [
+            call("bash", command=f"{SLEEP}; echo late > /app/late.txt")], "usage": SCRIPTED_USAGE},
+    ])
+    # Several trials at once: the cancellation races below are only visible in some runs.
+    return harbor_run(root / "jobs", task, provider_config=provider, attempts=TIMEOUT_TRIALS,
+                      concurrent=TIMEOUT_TRIALS).trials()
+
+
+@pytest.mark.harbor
+def test_agent_timeout_is_recorded_by_harbor_and_the_verifier_still_runs(
+    timeout_job: list[TrialRecord],
+) -> None:
+    assert len(timeout_job) == TIMEOUT_TRIALS
+    for trial in timeout_job:
+        assert trial.exception_type == "AgentTimeoutError", trial.describe()
+        assert trial.result["verifier_result"] is not None, trial.describe()
+
+
+@pytest.mark.harbor
+def test_agent_timeout_kills_the_running_command_before_harbor_verifies(
+    timeout_job: list[TrialRecord],
+) -> None:
+    for trial in timeout_job:
+        assert trial.reward == 1.0, (
+            f"{trial.describe()}\n{(trial.path / 'verifier' / 'test-stdout.txt').read_text()}"
+        )
+    assert subprocess.run(["pgrep", "-f", SLEEP], capture_output=True).returncode == 1
+
+
+@pytest.mark.harbor
+def test_agent_timeout_leaves_a_partial_trace_with_the_steps_so_far_and_usage(
+    timeout_job: list[TrialRecord],
+) -> None:
+    for trial in timeout_job:
+        trace = trial.trace
+        assert isinstance(trace, PartialTrace), trial.describe()
+        assert trace.partial is True
+        assert trace.stop_reason == CANCELLED_STOP_REASON
+        assert trace.answer == ""
+        first, second = tool_steps(trace)[:2]
+        assert first.action.arguments == {"command": "echo first"}
+        assert first.observation.content == "first\n" and not first.observation.is_error
+        assert second.action.arguments == {"command": f"{SLEEP}; echo late > /app/late.txt"}
+        assert second.observation.is_error
+        assert trace.turns == len(tool_steps(trace))
+        assert trace.worker_usage is not None
+        assert trace.worker_usage.input_tokens >= 2 * SCRIPTED_USAGE["input_tokens"]
+        trial.trajectory()  # still a valid ATIF trajectory
+
+
+@pytest.mark.harbor
+def test_agent_timeout_still_reports_usage_and_stop_reason_to_harbor(
+    timeout_job: list[TrialRecord],
+) -> None:
+    for trial in timeout_job:
+        agent_result, usage = trial.agent_result, trial.trace.worker_usage
+        assert usage is not None
+        assert agent_result["n_input_tokens"] == usage.input_tokens > 0
+        assert agent_result["n_cache_tokens"] == usage.cached_input_tokens > 0
+        assert agent_result["n_output_tokens"] == usage.output_tokens > 0
+        assert agent_result["metadata"]["stop_reason"] == CANCELLED_STOP_REASON
+        assert agent_result["metadata"]["turns"] == trial.trace.turns
+
+
+@pytest.mark.harbor
+def test_agent_timeout_returns_without_waiting_for_the_command(
+    timeout_job: list[TrialRecord],
+) -> None:
+    # harbor stamps the agent phase's end after run() has returned from its cancellation
+    # (about TIMEOUT_S + 0.1 s here). The command would sleep 30 s more, and a call that
+    # ignored its cancellation would hold the worker for a 10 s grace period: either shows
+    # far above this bound.
+    for trial in timeout_job:
+        started, finished = trial.phase_seconds("agent_execution")
+        assert finished - started < TIMEOUT_S + 6.0, trial.describe()
+
+
+@pytest.mark.harbor
+def test_agent_timeout_makes_no_model_call_after_harbor_cancels(
+    timeout_job: list[TrialRecord],
+) -> None:
+    # The script's two replies are both used before the timeout; a third model call could
+    # only be made after harbor cancelled the episode (the scripted provider then fails
+    # with "the script has 2 replies").
+    late = [trial.describe() + f" calls={trial.trace.worker_usage and trial.trace.worker_usage.calls}"
+            f" steps={[s.observation.content[:80] for s in trial.trace.steps]}"
+            for trial in timeout_job
+            if trial.trace.worker_usage is None or trial.trace.worker_usage.calls != 2
+            or len(trial.trace.steps) != 2]
+    assert not late, "model called after harbor's cancellation:\n" + "\n".join(late)
+
+
+# =======================================================================================
+# Observations of the environment tools (CONTRACT section 4), through harbor
+# =======================================================================================
+
+OBSERVED_CALLS: dict[str, dict[str, Any]] = {
+    "not-a-string": {"name": "bash", "arguments": {"command": 5}},
+    "missing": {"name": "write_file", "arguments": {"path": "/app/x"}},
+    "unexpected": {"name": "read_file", "arguments": {"path": "/app/x", "mode": "r"}},
+    "unknown-tool": {"name": "launch_rockets", "arguments": {"target": "moon"}},
+    "exit-code": call("bash", command="printf err >&2; printf out; exit 3"),
+    "long-output": call("bash", command="head -c 30000 /dev/zero | tr '\\0' a; echo TAIL; exit 4"),
+    "missing-file": call("read_file", path="/app/no such file"),
+    "command-timeout": call("bash", command="sleep 5.77; echo finished"),
+}
+
+
+@pytest.fixture(scope="module")
+def observations_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One hello-file trial whose first reply makes every call above (the commands get
+    `command_timeout_sec=1`), and which then solves the task."""
+    root = tmp_path_factory.mktemp("observations")
+    provider = scripted(root / "script.json", [
+        {"tool_calls": list(OBSERVED_CALLS.values())},
+        {"tool_calls": [call("write_file", path="/app/greeting.txt", content="Hello from wmo_trio\n")]},
+        {"tool_calls": [call("submit", answer="done")]},
+    ])
+    [trial] = harbor_run(root / "jobs", EXAMPLE_TASKS / "hello-file", provider_config=provider,
+                         agent_kwargs={"command_timeout_sec": 1}).trials()
+    steps = tool_steps(trial.trace)[:len(OBSERVED_CALLS)]
+    assert [s.action.name for s in steps] == [c["name"] for c in OBSERVED_CALLS.values()]
+    observations = {name: step.observation
+                    for name, step in zip(OBSERVED_CALLS, steps, strict=True)}
+    return {"trial": trial, **observations}
+
+
+@pytest.mark.harbor
+def test_wrong_tool_arguments_give_an_invalid_arguments_observation(
+    observations_job: dict[str, Any],
+) -> None:
+    for name, tool in [("not-a-string", "bash"), ("missing", "write_file"),
+                       ("unexpected", "read_file")]:
+        observation = observations_job[name]
+        assert observation.is_error
+        assert observation.content.startswith(f"invalid {tool} arguments: "), observation.content
+    assert "command" in observations_job["not-a-string"].content
+    assert "content" in observations_job["missing"].content
+    assert "mode" in observations_job["unexpected"].content
+
+
+@pytest.mark.harbor
+def test_unknown_tool_gives_a_not_available_observation(observations_job: dict[str, Any]) -> None:
+    observation = observations_job["unknown-tool"]
+    assert observation.is_error
+    assert observation.content == "tool 'launch_rockets' not available"
+
+
+@pytest.mark.harbor
+def test_failed_command_gives_stdout_then_stderr_and_its_exit_code(
+    observations_job: dict[str, Any],
+) -> None:
+    observation = observations_job["exit-code"]
+    assert observation.is_error
+    assert observation.content == "outerr\n[exit 3]"
+    assert observation.metadata["return_code"] == 3
+    missing = observations_job["missing-file"]
+    assert missing.is_error and missing.metadata["return_code"] != 0
+    assert "no such file" in missing.content.lower()
+
+
+@pytest.mark.harbor
+def test_long_output_is_cut_in_the_middle_to_10000_characters_with_its_markers(
+    observations_job: dict[str, Any],
+) -> None:
+    observation = observations_job["long-output"]
+    content = observation.content
+    assert len(content) <= 10_000
+    assert content.startswith("aaaa")
+    assert content.endswith("TAIL\n\n[exit 4]")
+    cut = re.search(r"(\d+) characters cut", content)
+    assert cut, content[4900:5200]
+    # what was kept plus what was cut is the whole output, markers aside
+    marker_start = content.index("\n[...")
+    marker_end = content.index("...]\n") + len("...]\n")
+    kept = len(content[:marker_start]) + len(content[marker_end:]) - len("\n[exit 4]")
+    assert kept + int(cut.group(1)) == 30000 + len("TAIL\n")
+    assert observation.metadata["return_code"] == 4
+
+
+@pytest.mark.harbor
+def test_command_past_its_timeout_is_an_error_observation_and_the_episode_goes_on(
+    observations_job: dict[str, Any],
+) -> None:
+    observation = observations_job["command-timeout"]
+    assert observation.is_error
+    assert observation.content.startswith("environment command failed: "), observation.content
+    assert "finished" not in observation.content
+    trial = observations_job["trial"]
+    assert (trial.reward, trial.exception_type) == (1.0, None), trial.describe()
+    assert trial.trace.stop_reason == "submitted"
+
+
+# =======================================================================================
+# 4. Exceptions of the episode, and of its cleanup
+# =======================================================================================
+
+DEFECTS_PLUGIN = '''
+"""Imported by harbor as the agent's module: the real agent, with one defect injected
+(chosen by WMO_TEST_DEFECT), because a healthy episode turns every failure into a stop
+reason or an observation and never raises."""
+
+import os
+
+from wmo_trio.episode.runtime import EpisodeRuntime
+from wmo_trio.harbor import WmoTrioHarborAgent, _agent
+from wmo_trio.providers import register_provider
+from wmo_trio.providers.scripted import ScriptedProvider
+
+MARKER = "echo defect"
+
+
+class EpisodeDefect(Exception):
+    pass
+
+
+class RuntimeBuildDefect(Exception):
+    pass
+
+
+class DefectiveRuntime(EpisodeRuntime):
+    """Its progress hook raises once the step running MARKER has been recorded."""
+
+    def __init__(self, *args, on_progress=None, **kwargs):
+        def progress(log):
+            if on_progress is not None:
+                on_progress(log)
+            if any((s.action.arguments or {}).get("command") == MARKER for s in log.steps()):
+                raise EpisodeDefect("injected defect after the marker step")
+
+        super().__init__(*args, on_progress=progress, **kwargs)
+
+
+def unbuildable_runtime(*args, **kwargs):
+    raise RuntimeBuildDefect("injected failure to build the runtime")
+
+
+class CloseFailingProvider(ScriptedProvider):
+    def close(self):
+        raise RuntimeError("injected failure to close the provider")
+
+
+register_provider("closefail", f"{__name__}:CloseFailingProvider")
+if os.environ["WMO_TEST_DEFECT"] == "episode":
+    _agent.EpisodeRuntime = DefectiveRuntime
+elif os.environ["WMO_TEST_DEFECT"] == "build":
+    _agent.EpisodeRuntime = unbuildable_runtime
+
+Agent = WmoTrioHarborAgent
+'''
+
+
+@pytest.fixture(scope="module")
+def defect_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[TrialRecord]]:
+    """Three small jobs, run at the same time: an episode that raises midway, a runtime
+    that cannot be built, and a provider whose close() fails after a solved task."""
+    root = tmp_path_factory.mktemp("defects")
+    plugins = root / "plugins"
+    plugins.mkdir()
+    (plugins / "wmo_test_defects.py").write_text(DEFECTS_PLUGIN)
+    pythonpath = os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH")]))
+    episode_script = scripted(root / "episode-script.json", [
+        {"tool_calls": [call("bash", command="echo one")]},
+        {"tool_calls": [call("bash", command="echo defect")]},
+        {"tool_calls": [call("submit", answer="never reached")]},
+    ])
+    jobs = {
+        "episode": harbor_run(root / "jobs", EXAMPLE_TASKS / "hello-file", provider_config=episode_script,
+                              agent="wmo_test_defects:Agent", job_name="episode",
+                              env={"PYTHONPATH": pythonpath, "WMO_TEST_DEFECT": "episode"}),
+        "build": harbor_run(root / "jobs", EXAMPLE_TASKS / "hello-file",
+                            agent="wmo_test_defects:Agent", job_name="build",
+                            env={"PYTHONPATH": pythonpath, "WMO_TEST_DEFECT": "build"}),
+        "close": harbor_run(root / "jobs", EXAMPLE_TASKS / "hello-file",
+                            provider_config={"kind": "closefail", "model": "offline"},
+                            agent="wmo_test_defects:Agent", job_name="close",
+                            env={"PYTHONPATH": pythonpath, "WMO_TEST_DEFECT": "close"}),
+    }
+    for job in jobs.values():
+        job.start()
+    return {name: job.trials() for name, job in jobs.items()}
+
+
+@pytest.mark.harbor
+def test_episode_exception_reaches_harbor_as_its_own_type_with_a_partial_trace(
+    defect_jobs: dict[str, list[TrialRecord]],
+) -> None:
+    [trial] = defect_jobs["episode"]
+    assert trial.exception_type == "EpisodeDefect", trial.describe()
+    trace = trial.trace
+    assert isinstance(trace, PartialTrace)
+    assert trace.stop_reason == "agent-exception:EpisodeDefect"
+    assert trace.error == "EpisodeDefect: injected defect after the marker step"
+    assert [s.action.arguments for s in trace.steps] == [{"command": "echo one"},
+                                                          {"command": "echo defect"}]
+    assert [s.observation.content for s in trace.steps] == ["one\n", "defect\n"]
+    assert trace.turns == 2
+    assert trace.worker_usage is not None and trace.worker_usage.calls == 2
+    assert trial.agent_result["metadata"]["stop_reason"] == "agent-exception:EpisodeDefect"
+    trial.trajectory()
+
+
+@pytest.mark.harbor
+def test_runtime_that_cannot_be_built_reaches_harbor_and_leaves_a_trace(
+    defect_jobs: dict[str, list[TrialRecord]],
+) -> None:
+    [trial] = defect_jobs["build"]
+    assert trial.exception_type == "RuntimeBuildDefect", trial.describe()
+    trace = trial.trace
+    assert isinstance(trace, PartialTrace)
+    assert trace.stop_reason == "agent-exception:RuntimeBuildDefect"
+    assert trace.error == "RuntimeBuildDefect: injected failure to build the runtime"
+    assert trace.steps == [] and trace.turns == 0
+    assert trial.agent_result["metadata"]["candidate_doc_hash"] == load_harness(HARNESS).doc_hash
+    trial.trajectory()
+
+
+@pytest.mark.harbor
+def test_cleanup_failure_never_replaces_the_episode_outcome(
+    defect_jobs: dict[str, list[TrialRecord]],
+) -> None:
+    [trial] = defect_jobs["close"]
+    assert (trial.reward, trial.exception_type) == (1.0, None), trial.describe()
+    assert isinstance(trial.trace, RunResult)
+    assert trial.trace.stop_reason == "submitted"
+    assert trial.agent_result["metadata"]["stop_reason"] == "submitted"
+
+
+# =======================================================================================
+# 5. Constructor keyword arguments (CONTRACT section 5); no harbor run needed
+# =======================================================================================
+
+
+def make_agent(logs_dir: Path, **overrides: Any) -> WmoTrioHarborAgent:
+    arguments: dict[str, Any] = {"model_name": "scripted/offline", "harness": str(HARNESS),
+                                 "provider_config": dict(OFFLINE)}
+    arguments.update(overrides)
+    return WmoTrioHarborAgent(logs_dir=logs_dir, **arguments)
+
+
+def refused(logs_dir: Path, argument: str, **overrides: Any) -> str:
+    """Construct with `overrides`, expect a ValueError naming `argument`; return its text."""
+    with pytest.raises(ValueError, match=rf"\b{re.escape(argument)}\b") as raised:
+        make_agent(logs_dir, **overrides)
+    return str(raised.value)
+
+
+def test_agent_is_named_wmo_harness_and_has_a_version(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    assert WmoTrioHarborAgent.name() == "wmo-harness"
+    assert isinstance(agent.version(), str) and agent.version()
+
+
+def test_harness_is_required(tmp_path: Path) -> None:
+    refused(tmp_path, "harness", harness=None)
+
+
+@pytest.mark.parametrize("harness", [
+    {},
+    {"name": "no-prompt", "surfaces": [{"id": "param:max-turns", "kind": "param", "content": "3"}]},
+    {"name": "bad-turns", "surfaces": [{"id": "prompt:core", "kind": "prompt", "content": "p"},
+                                       {"id": "param:max-turns", "kind": "param", "content": "0"}]},
+    "{not json",
+    5,
+    ["prompt:core"],
+], ids=["empty", "no-prompt", "bad-param", "bad-json-text", "int", "list"])
+def test_harness_must_be_a_valid_document(tmp_path: Path, harness: Any) -> None:
+    refused(tmp_path, "harness", harness=harness)
+
+
+def test_harness_may_be_a_path_to_a_json_file(tmp_path: Path) -> None:
+    document = json.loads(HARNESS.read_text())
+    copy = tmp_path / "candidate doc.json"
+    copy.write_text(json.dumps(document))
+    from_path = make_agent(tmp_path, harness=str(copy))
+    from_object = make_agent(tmp_path, harness=document)
+    assert from_path.doc.doc_hash == from_object.doc.doc_hash == load_harness(HARNESS).doc_hash
+
+
+def test_harness_path_to_a_missing_file_fails_naming_harness(tmp_path: Path) -> None:
+    message = refused(tmp_path, "harness", harness=str(tmp_path / "missing.json"))
+    assert "missing.json" in message
+
+
+def test_provider_config_is_required(tmp_path: Path) -> None:
+    refused(tmp_path, "provider_config", provider_config=None)
+
+
+@pytest.mark.parametrize("provider_config", [
+    ["scripted", "offline"], "scripted/offline", 3,
+    {"kind": "scripted"}, {"model": "offline"},
+], ids=["list", "string", "int", "no-model", "no-kind"])
+def test_provider_config_must_be_an_object_with_kind_and_model(
+    tmp_path: Path, provider_config: Any,
+) -> None:
+    refused(tmp_path, "provider_config", provider_config=provider_config)
+
+
+def test_provider_config_kind_must_be_known(tmp_path: Path) -> None:
+    message = refused(tmp_path, "provider_config", model_name="telepathy/offline",
+                      provider_config={"kind": "telepathy", "model": "offline"})
+    assert "telepathy" in message
+
+
+@pytest.mark.parametrize("model_name", ["scripted/other", "anthropic/offline", "offline", None])
+def test_model_name_must_be_kind_slash_model(tmp_path: Path, model_name: str | None) -> None:
+    refused(tmp_path, "model_name", model_name=model_name)
+
+
+@pytest.mark.parametrize("backend", ["docker", "", "LOCAL", None])
+def test_harness_backend_must_be_local_or_e2b(tmp_path: Path, backend: Any) -> None:
+    refused(tmp_path, "harness_backend", harness_backend=backend)
+
+
+def test_e2b_template_needs_the_e2b_backend(tmp_path: Path) -> None:
+    refused(tmp_path, "e2b_template", e2b_template="my-template")
+    refused(tmp_path, "e2b_template", harness_backend="local", e2b_template="my-template")
+
+
+@pytest.mark.parametrize("value", [0, 241, -1, True, False, 1.5, 30.0, "30", None])
+def test_command_timeout_sec_must_be_an_int_from_1_to_240(tmp_path: Path, value: Any) -> None:
+    refused(tmp_path, "command_timeout_sec", command_timeout_sec=value)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 0, 0.0, -1, True, "300", None])
+def test_episode_timeout_sec_must_be_finite_and_positive(tmp_path: Path, value: Any) -> None:
+    refused(tmp_path, "episode_timeout_sec", episode_timeout_sec=value)
+
+
+@pytest.mark.parametrize("value", [True, False, 0, -1, 2.0, "8", None])
+def test_episode_workers_must_be_a_positive_int(tmp_path: Path, value: Any) -> None:
+    refused(tmp_path, "episode_workers", episode_workers=value)
+
+
+@pytest.mark.parametrize("value", [1023, 0, -2048, True, 2048.0, "4096"])
+def test_context_window_must_be_null_or_an_int_of_at_least_1024(tmp_path: Path, value: Any) -> None:
+    refused(tmp_path, "context_window", context_window=value)
+
+
+def test_extra_env_must_be_empty(tmp_path: Path) -> None:
+    refused(tmp_path, "extra_env", extra_env={"OPENAI_API_KEY": "x"})
+    make_agent(tmp_path, extra_env={})  # what harbor passes when none is configured
+
+
+def test_boundary_values_are_accepted(tmp_path: Path) -> None:
+    accepted: list[dict[str, Any]] = [
+        {"command_timeout_sec": 1}, {"command_timeout_sec": 240},
+        {"episode_timeout_sec": 0.001}, {"episode_timeout_sec": 7200},
+        {"episode_workers": 1}, {"context_window": 1024}, {"context_window": None},
+        {"harness_backend": "local"},
+    ]
+    for overrides in accepted:
+        make_agent(tmp_path, **overrides)
+
+
+def test_unknown_kwargs_harbor_passes_do_not_break_construction(tmp_path: Path) -> None:
+    agent = make_agent(
+        tmp_path,
+        some_future_kwarg=1,
+        skip_model_parsing=True,
+        load_trajectory=None,
+        environment_logs_dir=PurePosixPath("/logs/agent"),
+        override_setup_timeout_sec=30.0,
+        extra_env={},
+    )
+    assert agent.doc.doc_hash == load_harness(HARNESS).doc_hash
+
+
+# =======================================================================================
+# 6. 64 concurrent trials
+# =======================================================================================
+
+CONCURRENT_TRIALS = 64
+LATENCY_S = 0.2
+CALLS_PER_EPISODE = 3  # the offline policy's hello-file episode: write, read back, submit
+
+
+@pytest.fixture(scope="module")
+def concurrent_job(tmp_path_factory: pytest.TempPathFactory) -> list[TrialRecord]:
+    jobs = tmp_path_factory.mktemp("concurrent")
+    return harbor_run(jobs, EXAMPLE_TASKS / "hello-file", provider_config={**OFFLINE, "latency_s": LATENCY_S},
+                      attempts=CONCURRENT_TRIALS, concurrent=CONCURRENT_TRIALS).trials()
+
+
+@pytest.mark.harbor
+def test_64_concurrent_trials_all_pass(concurrent_job: list[TrialRecord]) -> None:
+    assert len(concurrent_job) == CONCURRENT_TRIALS
+    failed = [t.describe() for t in concurrent_job if (t.reward, t.exception_type) != (1.0, None)]
+    assert not failed, failed
+    assert all(t.trace.worker_usage and t.trace.worker_usage.calls == CALLS_PER_EPISODE
+               for t in concurrent_job)
+
+
+@pytest.mark.harbor
+def test_64_concurrent_episodes_do_not_wait_for_each_other(concurrent_job: list[TrialRecord]) -> None:
+    phases = [t.phase_seconds("agent_execution") for t in concurrent_job]
+    span = max(end for _, end in phases) - min(start for start, _ in phases)
+    serial = CONCURRENT_TRIALS * CALLS_PER_EPISODE * LATENCY_S  # 38.4 s
+    # Episodes that waited for one another could not all fit in less than `serial`.
+    assert span < serial / 2, f"agent phases spanned {span:.1f} s; one after another takes {serial} s"
+
+
+# =======================================================================================
+# 7. write_file and read_file through harbor, byte for byte
+# =======================================================================================
+
+
+def awkward_text(size: int) -> str:
+    """`size` characters of everything a shell or a transport might mangle."""
+    pieces = [
+        "\x00", "'single' ", '"double" ', "$(touch /app/pwned) ", "`touch /app/pwned` ",
+        "${HOME} ", "\\ back\\slash \\n ", "%s %n %% ", "\n", "\r\n", "\t", "-dash ",
+        "héllo ✓ 𝄞 ", "\x1b[31m", "*?[a] ", "EOF\n", "\n\n",
+    ]
+    out: list[str] = []
+    length, index = 0, 0
+    while length < size:
+        piece = pieces[index % len(pieces)] + str(index)
+        out.append(piece)
+        length += len(piece)
+        index += 1
+    return "".join(out)[:size]
+
+
+ROUND_TRIP_FILES: dict[str, str] = {
+    # paths a shell would split, expand or take for options; contents it would mangle
+    "/app/dir with spaces/it's \"quoted\" $(touch /app/pwned).txt":
+        "\x00NUL first, quotes ' \" and $(touch /app/pwned) and `id`\nlines\n\n",
+    "-leading-dash.txt": "a relative path starting with a dash\n",
+    "--dashes/-nested/--file": "-n -e \\c\n",
+    "/app/glob*?[a]\\back.txt": awkward_text(4000),
+    "/app/trailing-newlines.txt": "kept\n\n\n",
+    "/app/empty file": "",
+    "/app/big $(touch /app/pwned) 'q'/-five megabytes.bin": awkward_text(5 * 1024 * 1024),
+    "/app/overwritten.txt": "short",
+}
+OVERWRITTEN_FIRST = "a much longer content that the second write must replace entirely\n" * 50
+READ_BACK = [path for path, content in ROUND_TRIP_FILES.items() if len(content) < 9000]
+
+
+def round_trip_check() -> str:
+    checks = "".join(
+        f"check {shlex.quote(path)} {hashlib.sha256(content.encode()).hexdigest()}\n"
+        for path, content in ROUND_TRIP_FILES.items()
+    )
+    return (
+        "#!/bin/bash\n"
+        "mkdir -p /logs/verifier\ncd /app\nok=1\n"
+        'check() { got=$(sha256sum < "$1" | cut -d" " -f1); '
+        'if [ "$got" != "$2" ]; then echo "MISMATCH $1" >&2; ok=0; fi; }\n'
+        f"{checks}"
+        '[ -e /app/pwned ] && { echo "a $(...) was run" >&2; ok=0; }\n'
+        "echo $ok > /logs/verifier/reward.txt\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def round_trip_job(tmp_path_factory: pytest.TempPathFactory) -> list[TrialRecord]:
+    root = tmp_path_factory.mktemp("round-trip")
+    task = make_task(root / "tasks", "round-trip", test_sh=round_trip_check(),
+                     instruction="Write the files exactly.\n")
+    writes = [call("write_file", path="/app/overwritten.txt", content=OVERWRITTEN_FIRST)]
+    writes += [call("write_file", path=path, content=content) for path, content in ROUND_TRIP_FILES.items()]
+    provider = scripted(root / "script.json", [
+        {"tool_calls": writes},
+        {"tool_calls": [call("read_file", path=path) for path in READ_BACK]},
+        {"tool_calls": [call("submit", answer="done")]},
+    ])
+    return harbor_run(root / "jobs", task, provider_config=provider).trials()
+
+
+@pytest.mark.harbor
+def test_write_file_through_harbor_writes_every_byte_at_every_path(
+    round_trip_job: list[TrialRecord],
+) -> None:
+    [trial] = round_trip_job
+    # the verifier compared each file's sha256 with the content's, and found no $(...) run
+    assert (trial.reward, trial.exception_type) == (1.0, None), (
+        trial.describe() + (trial.path / "verifier" / "test-stdout.txt").read_text(errors="replace")
+    )
+    writes = [s for s in tool_steps(trial.trace) if s.action.name == "write_file"]
+    assert len(writes) == len(ROUND_TRIP_FILES) + 1
+    for step in writes:
+        path, content = step.action.arguments["path"], step.action.arguments["content"]
+        assert step.observation.content == f"wrote {path}"
+        assert not step.observation.is_error
+        assert step.observation.metadata["bytes"] == len(content.encode())
+
+
+@pytest.mark.harbor
+def test_read_file_through_harbor_returns_the_content_at_awkward_paths(
+    round_trip_job: list[TrialRecord],
+) -> None:
+    [trial] = round_trip_job
+    reads = [s for s in tool_steps(trial.trace) if s.action.name == "read_file"]
+    assert [s.action.arguments["path"] for s in reads] == READ_BACK
+    for step in reads:
+        expected = ROUND_TRIP_FILES[step.action.arguments["path"]]
+        assert not step.observation.is_error, step.observation.content
+        assert step.observation.content == expected
