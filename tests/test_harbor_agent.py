@@ -599,6 +599,13 @@ class DefectiveRuntime(EpisodeRuntime):
         super().__init__(*args, on_progress=progress, **kwargs)
 
 
+def defective_build(doc, provider, **kwargs):
+    return DefectiveRuntime(doc, provider, episode_timeout_s=kwargs["episode_timeout_s"],
+                            should_cancel=kwargs["should_cancel"],
+                            context_window=kwargs["context_window"],
+                            on_progress=kwargs["on_progress"])
+
+
 def unbuildable_runtime(*args, **kwargs):
     raise RuntimeBuildDefect("injected failure to build the runtime")
 
@@ -610,9 +617,9 @@ class CloseFailingProvider(ScriptedProvider):
 
 register_provider("closefail", f"{__name__}:CloseFailingProvider")
 if os.environ["WMO_TEST_DEFECT"] == "episode":
-    _agent.EpisodeRuntime = DefectiveRuntime
+    _agent.build_runtime = defective_build
 elif os.environ["WMO_TEST_DEFECT"] == "build":
-    _agent.EpisodeRuntime = unbuildable_runtime
+    _agent.build_runtime = unbuildable_runtime
 
 Agent = WmoTrioHarborAgent
 '''

@@ -22,13 +22,9 @@ from harbor.models.agent.context import AgentContext
 
 from wmo_trio import __version__
 from wmo_trio.engine import DEFAULT_EPISODE_WORKERS, HostCaller, host_for_running_loop
+from wmo_trio.episode.build import Runtime, build_runtime, check_backend
 from wmo_trio.episode.environment import MAX_COMMAND_TIMEOUT_SEC, check_command_timeout
-from wmo_trio.episode.runtime import (
-    DEFAULT_EPISODE_TIMEOUT_S,
-    EpisodeLog,
-    EpisodeRuntime,
-    check_episode_timeout,
-)
+from wmo_trio.episode.runtime import DEFAULT_EPISODE_TIMEOUT_S, EpisodeLog, check_episode_timeout
 from wmo_trio.episode.tools import tool_spec
 from wmo_trio.harbor._adapter import HarborEnvironmentAdapter
 from wmo_trio.harness import HarnessDoc, HarnessError, load_harness, parse_harness
@@ -37,7 +33,6 @@ from wmo_trio.providers import Provider, ProviderConfigError, build_provider, pa
 from wmo_trio.trace import TraceWriter, TrajectoryInfo, trace_for
 
 AGENT_NAME = "wmo-harness"
-BACKENDS = ("local", "e2b")
 
 
 def _load_harness_argument(value: object) -> HarnessDoc:
@@ -127,23 +122,11 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
                 f"model_name must be {config.model_name!r} (provider_config kind/model), "
                 f"got {model_name!r}"
             )
-        if harness_backend not in BACKENDS:
-            raise ValueError(f"harness_backend must be 'local' or 'e2b', got {harness_backend!r}")
-        if e2b_template is not None and harness_backend != "e2b":
-            raise ValueError("e2b_template is only valid with harness_backend='e2b'")
-        if harness_backend == "e2b":
-            raise ValueError(
-                "harness_backend='e2b' is not available in this version of wmo_trio; "
-                "use harness_backend='local'"
-            )
+        check_backend(harness_backend, e2b_template)
         self._command_timeout_sec = check_command_timeout(command_timeout_sec)
         self._episode_timeout_sec = check_episode_timeout(episode_timeout_sec)
         self._episode_workers = _check_positive_int("episode_workers", episode_workers)
         self._context_window = _check_context_window(context_window)
-        if doc.runtime_code is not None:
-            raise ValueError(
-                "harness: surface code:runtime is not supported by this version of wmo_trio"
-            )
         try:
             provider = build_provider(config)
         except ProviderConfigError as error:
@@ -152,6 +135,13 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         self._doc = doc
         self._provider: Provider = provider
         self._harness_backend = harness_backend
+        self._e2b_template = e2b_template
+        if doc.runtime_code is not None and harness_backend == "local":
+            self.logger.warning(
+                "harness %s: code:runtime runs in this process with the host's rights "
+                "(trusted code only); use harness_backend='e2b' for mutated candidates",
+                doc.name,
+            )
 
     @staticmethod
     def name() -> str:
@@ -193,7 +183,7 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
             raise
         return await host.run_episode(episode, workers=self._episode_workers)
 
-    def _trajectory_info(self, runtime: EpisodeRuntime | None, instruction: str) -> TrajectoryInfo:
+    def _trajectory_info(self, runtime: Runtime | None, instruction: str) -> TrajectoryInfo:
         return TrajectoryInfo(
             agent_name=AGENT_NAME,
             agent_version=__version__,
@@ -224,19 +214,24 @@ class HarborEpisode:
         self._context = context
         self._cancel = threading.Event()
         self._lock = threading.Lock()
-        self._runtime: EpisodeRuntime | None = None
+        self._runtime: Runtime | None = None
         self._log: EpisodeLog | None = None
         self.task_id = str(agent.context_id or agent.session_id or "harbor-task")
 
     def run(self) -> RunResult:
         agent = self._agent
-        runtime = EpisodeRuntime(
+        # A task environment is mutable: an e2b transport failure is never replayed
+        # against one an earlier attempt may have changed.
+        runtime = build_runtime(
             agent.doc,
             agent._provider,
+            backend=agent._harness_backend,
+            e2b_template=agent._e2b_template,
             episode_timeout_s=agent._episode_timeout_sec,
             should_cancel=self._cancel.is_set,
             context_window=agent._context_window,
             on_progress=self._report_usage,
+            transport_retries=0,
         )
         with self._lock:
             self._runtime, self._log = runtime, runtime.log

@@ -1,0 +1,539 @@
+"""The e2b backend: episodes whose loop runs in an E2B sandbox (`E2BRuntime`), and
+`build_runtime` / `check_backend`.
+
+Everything goes through the real `e2b` SDK to the loopback fake in `e2b_fake.py`, whose
+sandboxes are real processes (in a private root filesystem when the tests run as root).
+Every test ends by checking that no sandbox it created is left alive.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2b_fake import FakeE2B, Faults
+from test_code_runtime import AGENT, INSTRUCTION, SOLVE, Spy, code_doc, text_call
+
+from wmo_trio.backends.e2b import RUNNER_SOURCE, E2BRuntime, E2BSettings
+from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
+from wmo_trio.episode.build import build_runtime, check_backend
+from wmo_trio.episode.code_runtime import CodeRuntime
+from wmo_trio.episode.runtime import _ELIDED
+from wmo_trio.harness import HarnessDoc, load_harness, parse_harness
+from wmo_trio.models import ActionKind, RunResult, StopReason
+from wmo_trio.providers import build_provider
+
+REPO = Path(__file__).resolve().parents[1]
+HARNESS = REPO / "examples" / "harness.json"
+HELLO_TASK = REPO / "examples" / "tasks" / "hello-file"
+OFFLINE = {"kind": "scripted", "model": "offline"}
+GRACE_S = E2BSettings().sandbox_grace_s
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeE2B]:
+    with FakeE2B() as service:
+        yield service
+
+
+@pytest.fixture
+def e2b(fake: FakeE2B, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeE2B]:
+    """The fake, with the SDK's variables pointing at it, its faults cleared, and a check
+    that the test left no sandbox alive."""
+    for name, value in fake.environment().items():
+        monkeypatch.setenv(name, value)
+    fake.faults = Faults()
+    before = set(fake.created)
+    yield fake
+    fake.faults = Faults()
+    leaked = [sid for sid in fake.alive() if sid not in before]
+    assert leaked == [], f"sandboxes left alive: {leaked}"
+
+
+def loop_doc(**params: Any) -> HarnessDoc:
+    surfaces: list[dict[str, Any]] = [{"id": "prompt:core", "kind": "prompt", "content": "work"}]
+    for name, value in params.items():
+        if name == "policy":
+            surfaces.append({"id": "tool_policy:main", "kind": "tool_policy", "content": value})
+        elif name == "skill":
+            surfaces.append({"id": "skill:notes", "kind": "skill",
+                             "content": f"---\nname: notes\ndescription: d\n---\n{value}"})
+        else:
+            surfaces.append({"id": f"param:{name.replace('_', '-')}", "kind": "param",
+                             "content": str(value)})
+    return parse_harness({"name": "loop", "surfaces": surfaces})
+
+
+def run_on(backend: str, doc: HarnessDoc, provider: Any, workdir: Path, **kwargs: Any) -> RunResult:
+    runtime = build_runtime(doc, provider, backend=backend, **kwargs)
+    try:
+        return runtime.run("task", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=30))
+    finally:
+        runtime.close()
+
+
+def offline() -> Any:
+    return build_provider(OFFLINE)
+
+
+def call(tool: str, **arguments: str) -> dict[str, Any]:
+    return {"name": tool, "arguments": arguments}
+
+
+def reply(*calls: dict[str, Any], text: str = "") -> dict[str, Any]:
+    return {"text": text, "tool_calls": list(calls)}
+
+
+def the_sandbox(fake: FakeE2B, before: int) -> str:
+    (sandbox_id,) = fake.created[before:]
+    return sandbox_id
+
+
+# =======================================================================================
+# Episodes on each backend
+# =======================================================================================
+
+
+@pytest.mark.parametrize("backend", ["local", "e2b"])
+def test_the_example_task_is_solved_on_each_backend(e2b: FakeE2B, tmp_path: Path, backend: str) -> None:
+    created = len(e2b.created)
+    started = time.monotonic()
+    result = run_on(backend, load_harness(HARNESS), offline(), tmp_path, episode_timeout_s=30)
+    assert result.stop_reason is StopReason.SUBMITTED, result.steps
+    assert (tmp_path / "out" / "greeting.txt").read_text() == "hi\n"
+    assert [s.action.name for s in result.steps] == ["write_file", "read_file", "submit"]
+    if backend == "local":
+        assert len(e2b.created) == created
+        return
+    sandbox_id = the_sandbox(e2b, created)
+    sandbox = e2b.sandboxes[sandbox_id]
+    assert sandbox.template == "base"
+    (runner,) = sandbox.processes.values()
+    assert f"/tmp/wmo-trio-{sandbox_id}/runner.py" in runner.command
+    assert sandbox_id in e2b.killed
+    # Alive for the whole budget, and not much longer if every kill failed.
+    assert 30 < sandbox.timeout <= math.ceil(30 + GRACE_S)
+    assert time.monotonic() - started < 15
+
+
+LOOP_CASES: dict[str, tuple[dict[str, Any], list[dict[str, Any]], StopReason]] = {
+    "nudged, then submitted": ({}, [{"text": "hmm"}, reply(call("bash", command="echo hi")),
+                                    reply(call("submit", answer="done"), text="all done")],
+                               StopReason.SUBMITTED),
+    "no tool call": ({}, [{"text": "thinking"}] * 3, StopReason.NO_TOOL_CALL),
+    "unparsed": ({}, [reply({"name": "bash", "arguments": "{not json"})] * 3,
+                 StopReason.UNPARSED_TOOL_CALL),
+    "truncated": ({}, [{"text": "cut off", "finish_reason": "length"}] * 3,
+                  StopReason.OUTPUT_TRUNCATED),
+    "max turns": ({"max_turns": 2}, [reply(call("bash", command="echo 1")), {"text": "more?"}],
+                  StopReason.MAX_TURNS),
+    "several calls in one reply": (
+        {}, [reply(call("bash", command="echo a"), {"name": "bash", "arguments": "oops"},
+                   call("dance"), call("write_file", path="x")),
+             reply(call("submit", answer="ok"))], StopReason.SUBMITTED),
+    "environment budget": ({"max_env_actions": 1},
+                           [reply(call("bash", command="echo 1")), reply(call("bash", command="echo 2")),
+                            reply(call("submit", answer="ok"))], StopReason.SUBMITTED),
+    "context window": ({}, [reply(call("bash", command="head -c 1500 /dev/zero | tr '\\0' x"))] * 3
+                       + [reply(call("submit", answer="ok"))], StopReason.SUBMITTED),
+    "provider error": ({}, [reply(call("bash", command="echo 1")),
+                            {"error": {"kind": "bad_request", "message": "no"}}],
+                       StopReason.PROVIDER_ERROR),
+    "skills": ({"skill": "Take notes."}, [reply(call("read_skill", name="notes")),
+                                         reply(call("read_skill", name="nope")),
+                                         reply(call("submit", answer="ok"))], StopReason.SUBMITTED),
+}
+
+
+@pytest.mark.parametrize("case", list(LOOP_CASES))
+def test_the_built_in_loop_in_a_sandbox_is_the_local_loop(e2b: FakeE2B, tmp_path: Path,
+                                                          case: str) -> None:
+    params, script, expected = LOOP_CASES[case]
+    doc = loop_doc(**params)
+    window = 1024 if case == "context window" else None
+    results, requests = {}, {}
+    for backend in ("local", "e2b"):
+        spy = Spy(script)
+        (tmp_path / backend).mkdir()
+        results[backend] = run_on(backend, doc, spy, tmp_path / backend, context_window=window)
+        requests[backend] = [request.model_dump() for request in spy.requests]
+    assert results["local"].stop_reason is expected, results["local"].steps
+    if window is not None:  # the case is meant to make the loop elide old tool outputs
+        assert _ELIDED in json.dumps(requests["local"])
+    assert results["e2b"].model_dump() == results["local"].model_dump()
+    assert requests["e2b"] == requests["local"]
+
+
+@pytest.mark.parametrize("backend", ["local", "e2b"])
+def test_a_code_runtime_document_runs_on_each_backend(e2b: FakeE2B, tmp_path: Path,
+                                                      backend: str) -> None:
+    result = run_on(backend, code_doc(AGENT), Spy(SOLVE), tmp_path)
+    assert (result.stop_reason, result.answer) == (StopReason.SUBMITTED, "wrote out/greeting.txt")
+    assert (tmp_path / "out" / "greeting.txt").read_text() == "hi\n"
+    assert [s.action.name for s in result.steps] == ["write_file", "read_file", "submit"]
+
+
+def test_the_program_runs_in_the_sandbox_not_on_the_host(e2b: FakeE2B, tmp_path: Path) -> None:
+    marker = f"/tmp/wmo-trio-marker-{uuid.uuid4().hex}"
+    source = f"""
+    import os, sys
+    def run(kit):
+        print("a program may print")  # and neither this nor a child's output is a frame
+        os.system("echo from a child process")
+        open({marker!r}, "w").write("written by the program")
+        return os.getcwd() + " " + sys.executable
+    """
+    created = len(e2b.created)
+    result = run_on("e2b", code_doc(source), Spy([{"text": "x"}]), tmp_path)
+    sandbox_id = the_sandbox(e2b, created)
+    cwd, executable = result.answer.split(" ")
+    assert cwd == f"/tmp/wmo-trio-{sandbox_id}"
+    assert executable != sys.executable  # the sandbox's python3, not this venv's
+    if e2b.isolated:
+        assert not Path(marker).exists(), "the program wrote to the host's filesystem"
+
+
+def test_the_runner_needs_only_python_3_8_and_its_standard_library() -> None:
+    tree = ast.parse(RUNNER_SOURCE, feature_version=(3, 8))
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+    assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported
+
+
+def test_a_program_that_raises_in_the_sandbox_ends_as_it_does_locally(e2b: FakeE2B,
+                                                                      tmp_path: Path) -> None:
+    source = """
+    def run(kit):
+        kit.execute("bash", {"command": "echo before"})
+        return {}["missing"]
+    """
+    results = {}
+    for backend in ("local", "e2b"):
+        (tmp_path / backend).mkdir()
+        results[backend] = run_on(backend, code_doc(source), Spy([{"text": "x"}]), tmp_path / backend)
+    for result in results.values():
+        assert result.stop_reason is StopReason.ERROR
+        assert [s.observation.content for s in result.steps] == [
+            "before\n", "code:runtime raised KeyError: 'missing'"]
+        assert 'return {}["missing"]' in result.steps[-1].observation.metadata["traceback"]
+
+
+@pytest.mark.parametrize("backend", ["local", "e2b"])
+def test_the_host_counts_the_budgets_even_when_the_kit_is_bypassed(e2b: FakeE2B, tmp_path: Path,
+                                                                   backend: str) -> None:
+    # The program is in the runner's interpreter: it can reach the channel behind the kit.
+    source = """
+    def run(kit):
+        for n in range(3):
+            kit._channel.execute("bash", {"command": f"touch file-{n}"}, None, None)
+        return "escaped"
+    """
+    result = run_on(backend, code_doc(source, max_env_actions=2), Spy([{"text": "x"}]), tmp_path)
+    assert result.stop_reason is StopReason.BUDGET
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file-0", "file-1"]
+
+
+FORGED_ENDINGS = {
+    "an unknown done reason": ({"type": "done", "stop_reason": "victory", "answer": "x"},
+                               StopReason.UNKNOWN_DONE_REASON,
+                               "the sandbox runner ended the episode with the reason 'victory'"),
+    "a reason only the host gives": ({"type": "done", "stop_reason": "budget", "answer": ""},
+                                     StopReason.UNKNOWN_DONE_REASON, "with the reason 'budget'"),
+    "an unknown frame type": ({"type": "teleport"}, StopReason.ERROR, "unknown frame type 'teleport'"),
+    "a tool step": ({"type": "step", "step": {"action": {"kind": "tool_call", "name": "bash"},
+                                              "observation": {"content": "faked"}}},
+                    StopReason.ERROR, "may only carry a message step"),
+}
+
+
+@pytest.mark.parametrize("case", list(FORGED_ENDINGS))
+def test_frames_the_runner_may_not_send_end_the_episode(e2b: FakeE2B, tmp_path: Path,
+                                                        case: str) -> None:
+    frame, expected, message = FORGED_ENDINGS[case]
+    source = f"""
+    import time
+    def run(kit):
+        kit._channel.send({frame!r})
+        time.sleep(60)
+    """
+    created = len(e2b.created)
+    started = time.monotonic()
+    result = run_on("e2b", code_doc(source), Spy([{"text": "x"}]), tmp_path)
+    assert result.stop_reason is expected
+    assert message in result.steps[-1].observation.content
+    assert the_sandbox(e2b, created) in e2b.killed
+    assert time.monotonic() - started < 10
+
+
+# =======================================================================================
+# Failures of the sandbox side
+# =======================================================================================
+
+
+def test_rate_limited_sandbox_creation_ends_with_error(e2b: FakeE2B, tmp_path: Path) -> None:
+    e2b.faults.rate_limited_creations = 1000
+    created, requests = len(e2b.created), e2b.creation_requests
+    result = run_on("e2b", load_harness(HARNESS), offline(), tmp_path)
+    assert result.stop_reason is StopReason.ERROR
+    (step,) = result.steps
+    assert step.observation.content.startswith(
+        "sandbox transport failed: creating a sandbox from template 'base' failed: RateLimitException")
+    assert len(e2b.created) == created and e2b.creation_requests > requests
+
+
+def test_a_runner_dying_mid_episode_ends_with_error_and_is_not_replayed(e2b: FakeE2B,
+                                                                        tmp_path: Path) -> None:
+    e2b.faults.kill_at_input = 2  # it dies waiting for the answer to its first tool call
+    created = len(e2b.created)
+    result = run_on("e2b", load_harness(HARNESS), offline(), tmp_path, transport_retries=1)
+    assert result.stop_reason is StopReason.ERROR
+    write, failure = result.steps
+    assert write.action.name == "write_file" and (tmp_path / "out" / "greeting.txt").exists()
+    assert failure.observation.content.startswith(
+        "sandbox transport failed: the runner exited with code -9 before its done frame")
+    assert "not replayed: the episode already ran an environment action" in \
+        failure.observation.content
+    assert failure.observation.metadata == {"attempt": 1, "sandbox_id": e2b.created[created]}
+    assert the_sandbox(e2b, created) in e2b.killed
+
+
+def test_a_line_that_is_not_json_ends_with_error(e2b: FakeE2B, tmp_path: Path) -> None:
+    e2b.faults.garbage_at_input = 1
+    created = len(e2b.created)
+    result = run_on("e2b", load_harness(HARNESS), offline(), tmp_path)
+    assert result.stop_reason is StopReason.ERROR
+    assert result.steps[-1].observation.content == (
+        "sandbox transport failed: the runner sent a line that is not a JSON frame: "
+        "'this line is not a JSON frame'")
+    assert the_sandbox(e2b, created) in e2b.killed
+
+
+def test_a_transport_failure_before_any_environment_action_is_replayed(e2b: FakeE2B,
+                                                                       tmp_path: Path) -> None:
+    e2b.faults.kill_at_input = 1  # dies waiting for its first model reply
+    created = len(e2b.created)
+    result = run_on("e2b", load_harness(HARNESS), offline(), tmp_path, transport_retries=1)
+    assert result.stop_reason is StopReason.SUBMITTED
+    first, second = e2b.created[created:]
+    assert first in e2b.killed and second in e2b.killed
+    note, *rest = result.steps
+    assert note.action.kind is ActionKind.MESSAGE
+    assert "replaying the episode on a fresh sandbox (attempt 2 of 2)" in note.observation.content
+    assert [s.action.name for s in rest] == ["write_file", "read_file", "submit"]
+    assert result.worker_usage is not None and result.worker_usage.calls == 4  # one spent on the lost runner
+
+
+def test_without_transport_retries_a_failure_is_final(e2b: FakeE2B, tmp_path: Path) -> None:
+    e2b.faults.kill_at_input = 1
+    created = len(e2b.created)
+    result = run_on("e2b", load_harness(HARNESS), offline(), tmp_path)
+    assert result.stop_reason is StopReason.ERROR
+    assert len(e2b.created) == created + 1
+    assert "not replayed" not in result.steps[-1].observation.content
+
+
+# =======================================================================================
+# Stopping from outside
+# =======================================================================================
+
+
+def start_in_thread(runtime: Any, workdir: Path) -> tuple[threading.Thread, dict[str, RunResult]]:
+    out: dict[str, RunResult] = {}
+
+    def target() -> None:
+        out["result"] = runtime.run("task", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=30))
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, out
+
+
+def test_abort_kills_the_sandbox_at_once(e2b: FakeE2B, tmp_path: Path) -> None:
+    spy = Spy([reply(call("bash", command="echo 1")), {"text": "slow", "latency_s": 30}])
+    runtime = build_runtime(loop_doc(), spy, backend="e2b")
+    created = len(e2b.created)
+    thread, out = start_in_thread(runtime, tmp_path)
+    e2b.wait_for(lambda: len(spy.requests) == 2)  # the runner waits on a slow model call
+    sandbox_id = the_sandbox(e2b, created)
+    runtime.abort()
+    assert sandbox_id in e2b.killed  # killed by abort() itself, not later
+    thread.join(5)
+    assert not thread.is_alive()
+    result = out["result"]
+    assert result.stop_reason is StopReason.CANCELLED
+    assert [s.action.name for s in result.steps] == ["bash"]
+    runtime.close()
+
+
+def test_abort_during_a_long_program_computation_stops_it(e2b: FakeE2B, tmp_path: Path) -> None:
+    # In-process this would run forever; in a sandbox it is killed.
+    source = "def run(kit):\n    while True:\n        pass\n"
+    runtime = build_runtime(code_doc(source), Spy([{"text": "x"}]), backend="e2b")
+    created = len(e2b.created)
+    thread, out = start_in_thread(runtime, tmp_path)
+    e2b.wait_for(lambda: len(e2b.created) > created and bool(e2b.processes(e2b.created[-1])))
+    time.sleep(0.5)
+    runtime.abort()
+    thread.join(5)
+    assert out["result"].stop_reason is StopReason.CANCELLED
+    assert e2b.created[-1] in e2b.killed
+
+
+def test_the_wall_clock_budget_ends_the_episode_and_kills_the_sandbox(e2b: FakeE2B,
+                                                                     tmp_path: Path) -> None:
+    created = len(e2b.created)
+    started = time.monotonic()
+    result = run_on("e2b", loop_doc(), Spy([{"text": "slow", "latency_s": 30}]), tmp_path,
+                    episode_timeout_s=1.5)
+    assert time.monotonic() - started < 6
+    assert result.stop_reason is StopReason.BUDGET
+    assert result.steps[-1].observation.content == (
+        "episode stopped: its wall-clock budget of 1.5 s ran out")
+    assert the_sandbox(e2b, created) in e2b.killed
+
+
+def test_should_cancel_is_checked_before_each_call(e2b: FakeE2B, tmp_path: Path) -> None:
+    spy = Spy([reply(call("bash", command="echo 1")), reply(call("bash", command="touch no"))])
+    result = run_on("e2b", loop_doc(), spy, tmp_path, should_cancel=lambda: len(spy.requests) >= 2)
+    assert result.stop_reason is StopReason.CANCELLED
+    assert [s.action.name for s in result.steps] == ["bash"]
+    assert not (tmp_path / "no").exists()
+
+
+def test_close_kills_the_sandbox_and_is_idempotent(e2b: FakeE2B, tmp_path: Path) -> None:
+    spy = Spy([{"text": "slow", "latency_s": 30}])
+    runtime = build_runtime(loop_doc(), spy, backend="e2b")
+    thread, out = start_in_thread(runtime, tmp_path)
+    e2b.wait_for(lambda: len(spy.requests) == 1)
+    runtime.close()
+    runtime.close()
+    thread.join(5)
+    assert out["result"].stop_reason is StopReason.CANCELLED
+
+
+# =======================================================================================
+# Choosing a backend
+# =======================================================================================
+
+
+def test_check_backend_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("E2B_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="set the E2B_API_KEY environment variable"):
+        check_backend("e2b", None)
+    check_backend("e2b", None, api_key="given")
+    with pytest.raises(ValueError, match="e2b_template is only valid with harness_backend='e2b'"):
+        check_backend("local", "base")
+    with pytest.raises(ValueError, match="harness_backend must be one of 'local', 'e2b', got 'docker'"):
+        check_backend("docker")
+    with pytest.raises(ValueError, match="e2b_template must be a non-empty"):
+        check_backend("e2b", " ", api_key="given")
+    monkeypatch.setenv("E2B_API_KEY", "key")
+    check_backend("e2b", "my-template")
+    check_backend("local")
+
+
+@pytest.mark.parametrize("backend, code, expected", [
+    ("local", False, EpisodeRuntime), ("local", True, CodeRuntime),
+    ("e2b", False, E2BRuntime), ("e2b", True, E2BRuntime),
+])
+def test_build_runtime_chooses_the_runtime(monkeypatch: pytest.MonkeyPatch, backend: str, code: bool,
+                                           expected: type) -> None:
+    monkeypatch.setenv("E2B_API_KEY", "key")
+    doc = code_doc(AGENT) if code else loop_doc()
+    runtime = build_runtime(doc, offline(), backend=backend,
+                            e2b_template="mine" if backend == "e2b" else None,
+                            transport_retries=2 if backend == "e2b" else None)
+    assert type(runtime) is expected
+    if isinstance(runtime, E2BRuntime):
+        assert (runtime.settings.template, runtime.settings.transport_retries) == ("mine", 2)
+        assert runtime.system_prompt() == (doc.system_prompt if code else
+                                           EpisodeRuntime(doc, offline()).system_prompt())
+
+
+# =======================================================================================
+# Harbor on the fake: its own E2BEnvironment, and this agent's e2b backend
+# =======================================================================================
+
+
+def harbor_job(fake: FakeE2B, jobs: Path, *, agent_kwargs: dict[str, Any],
+               provider_config: dict[str, Any]) -> dict[str, Any]:
+    harbor = shutil.which("harbor", path=str(Path(sys.executable).parent)) or shutil.which("harbor")
+    assert harbor, "the harbor command line is not installed next to this python"
+    kwargs = {"harness": str(HARNESS), "provider_config": provider_config, **agent_kwargs}
+    argv = [harbor, "run", "-p", str(HELLO_TASK), "-a", "wmo_trio.harbor:WmoTrioHarborAgent",
+            "-m", f"{provider_config['kind']}/{provider_config['model']}", "-e", "e2b",
+            "-o", str(jobs), "--job-name", "job", "-y", "-q"]
+    for key, value in kwargs.items():
+        argv += ["--ak", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    env = {k: v for k, v in os.environ.items() if k != "WMO_TRIO_HOST"}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", **fake.environment())
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (result_file,) = jobs.glob("job/*/result.json")
+    result: dict[str, Any] = json.loads(result_file.read_text())
+    result["trace"] = json.loads((result_file.parent / "agent" / "wmo-run.json").read_text())
+    return result
+
+
+@pytest.mark.harbor
+def test_a_harbor_trial_runs_in_harbors_own_e2b_environment(e2b: FakeE2B, tmp_path: Path) -> None:
+    if not e2b.isolated:
+        pytest.skip("the fake needs root to give a sandbox its own /app and /logs")
+    pytest.importorskip("dockerfile_parse", reason="harbor's E2BEnvironment needs harbor[e2b]")
+    created = len(e2b.created)
+    result = harbor_job(e2b, tmp_path / "jobs", agent_kwargs={}, provider_config=OFFLINE)
+    assert result["exception_info"] is None, result["exception_info"]
+    assert result["verifier_result"]["rewards"]["reward"] == 1.0
+    assert result["trace"]["stop_reason"] == "submitted"
+    (sandbox_id,) = e2b.created[created:]
+    commands = [p.command for p in e2b.processes(sandbox_id)]
+    assert any("/tests/test.sh" in c for c in commands)  # the verifier ran in the sandbox
+    assert sandbox_id in e2b.killed
+
+
+@pytest.mark.harbor
+def test_a_harbor_trial_runs_a_code_runtime_document_in_a_sandbox(e2b: FakeE2B, tmp_path: Path) -> None:
+    from wmo_trio.harbor import WmoTrioHarborAgent
+
+    if not e2b.isolated:
+        pytest.skip("the fake needs root to give a sandbox its own /app and /logs")
+    try:
+        WmoTrioHarborAgent(tmp_path / "probe", "scripted/offline", harness=str(HARNESS),
+                           provider_config=OFFLINE, harness_backend="e2b")
+    except ValueError as error:
+        if "not available in this version" in str(error):
+            pytest.skip("the harbor agent does not take harness_backend='e2b' yet")
+        raise
+    document = json.loads(HARNESS.read_text())
+    document["surfaces"].append({"id": "code:runtime", "kind": "code", "content": AGENT})
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps([
+        text_call("write_file", path="/app/greeting.txt", content="Hello from wmo_trio\n"),
+        text_call("submit", answer="done"),
+    ]))
+    created = len(e2b.created)
+    result = harbor_job(e2b, tmp_path / "jobs",
+                        agent_kwargs={"harness": json.dumps(document), "harness_backend": "e2b"},
+                        provider_config={"kind": "scripted", "model": "s", "script": str(script)})
+    assert result["exception_info"] is None, result["exception_info"]
+    assert result["verifier_result"]["rewards"]["reward"] == 1.0
+    assert result["trace"]["stop_reason"] == "submitted"
+    sandboxes = e2b.created[created:]
+    assert len(sandboxes) == 2 and all(s in e2b.killed for s in sandboxes)  # task + runner
+    runners = [p for s in sandboxes for p in e2b.processes(s) if "runner.py" in p.command]
+    assert len(runners) == 1

@@ -1,0 +1,522 @@
+"""The e2b backend: the episode's loop runs in an E2B sandbox, its model and tools on the host.
+
+An optimizer mutates agent code, and mutated code must not run on the host. `E2BRuntime`
+(the same surface as `EpisodeRuntime`: `run`, `abort`, `close`, `system_prompt`, `log`)
+runs the episode's loop, the document's `code:runtime` program or else the built-in loop,
+as a *runner* process in a fresh sandbox, and answers what it asks for on the host: model
+calls with the host's provider, tool calls with the episode's environment (harbor's task
+environment in production). The host stays the authority: it counts every budget, checks
+every boundary, records every step, and ends the episode by killing the sandbox.
+
+Deployment. The sandbox needs nothing but `python3` (3.8 or newer, standard library only),
+so E2B's default `base` template works. Per attempt the runtime creates a sandbox from the
+template (timeout: the episode's remaining budget plus `sandbox_grace_s`, so it outlives
+the episode but never by much), uploads `runner.py` (`wmo_trio/backends/runner.py`, read
+from the installed package) and `episode.json` (the episode spec: instruction, derived
+document data, the code) to `/tmp/wmo-trio-<sandbox id>/`, and starts
+`python3 -I runner.py episode.json` with its stdin open.
+
+Frame protocol (version 1). Each frame is one JSON object on one line: the runner writes
+requests to its stdout, the host answers on its stdin (through envd's SendInput). One
+request is outstanding at a time and every reply echoes its request's `id`.
+
+    runner -> host                                        host -> runner
+    {"type": "hello", "protocol": 1, "python": "3.11.7"}  (none; must come first)
+    {"type": "complete", "id": n, "request": ProviderRequest}
+                                          {"type": "completion", "id": n, "response": ProviderResponse}
+    {"type": "execute", "id": n, "tool": str, "arguments": object | null,
+     "content": str | null, "parse_error": str | null}
+                                          {"type": "observation", "id": n, "observation": Observation}
+    {"type": "step", "step": Step}        (none; message steps only, such as nudges and a
+                                           program's error: tool steps are recorded by the host)
+    {"type": "done", "stop_reason": str, "answer": str}   (none; the last frame)
+
+`ProviderRequest`, `ProviderResponse`, `Observation` and `Step` are the JSON of the models
+of the same names. For a `code:runtime` program the host makes every request plain text
+(tools dropped, output capped by the document). There is no stop frame: when the host ends
+the episode (submit, a budget, cancellation, a provider error) it kills the sandbox.
+
+Stop reasons of the failures (each with a final error step saying what happened; the
+partial transcript is kept; the sandbox is killed):
+
+- sandbox creation failed, rate limiting (429) included: `error` (a transport failure);
+- the runner died, or its stream broke, before its `done` frame: `error` (transport);
+- a line on the runner's stdout that is not JSON: `error` (transport);
+- a well-formed frame that breaks the protocol (unknown type, bad fields, no hello, a tool
+  step): `error`, never replayed;
+- a `done` frame whose reason is not one the runner may give: `unknown_done_reason`. A
+  program ends as `submitted`, `no_action` or `error`; the built-in loop as `no_tool_call`,
+  `unparsed_tool_call`, `output_truncated` or `max_turns`; every other ending is the host's.
+
+Stopping works as in `EpisodeRuntime`: cancellation and the wall-clock budget are checked
+at every frame (so before every model call and tool call) and interrupt the host-side call
+in flight; `abort()` also kills the sandbox at once, which stops even a program that is
+busy computing.
+
+Transport failures may be replayed on a fresh sandbox, at most `transport_retries` times and
+only while the episode has not run a single environment action: a task environment is
+mutable, and a replay after a change would score a different episode. The failed attempt's
+steps stay in the transcript, followed by a step that says a replay starts.
+
+Credentials: `E2B_API_KEY` (`wmo_trio.episode.build.check_backend` fails early without it).
+The SDK's own variables choose the endpoints (`E2B_DOMAIN`, and `E2B_API_URL` /
+`E2B_SANDBOX_URL`, which the tests point at a loopback fake).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import shlex
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from e2b import CommandExitException, Sandbox
+from pydantic import BaseModel, ValidationError
+
+from wmo_trio.backends.runner import PROTOCOL
+from wmo_trio.episode.code_runtime import EpisodeEnded, EpisodeServices, episode_spec
+from wmo_trio.episode.deadlines import DEADLINES
+from wmo_trio.episode.environment import Environment, Interruptible
+from wmo_trio.episode.runtime import (
+    DEFAULT_EPISODE_TIMEOUT_S,
+    EpisodeLog,
+    EpisodeRuntime,
+    check_episode_timeout,
+)
+from wmo_trio.harness import HarnessDoc
+from wmo_trio.models import (
+    Action,
+    ActionKind,
+    RunResult,
+    Step,
+    StopReason,
+    count_tool_steps,
+)
+from wmo_trio.providers.base import CallControl, Provider, ProviderRequest
+
+__all__ = ["DEFAULT_TEMPLATE", "E2BRuntime", "E2BSettings"]
+
+log = logging.getLogger("wmo_trio.backends.e2b")
+
+DEFAULT_TEMPLATE = "base"
+RUNNER_SOURCE = resources.files("wmo_trio.backends").joinpath("runner.py").read_text(encoding="utf-8")
+# A frame is a model request or reply: large, but never this large.
+MAX_FRAME_CHARS = 16 * 1024 * 1024
+_STDERR_TAIL_CHARS = 2000
+_LOOP_ENDINGS = frozenset({StopReason.NO_TOOL_CALL, StopReason.UNPARSED_TOOL_CALL,
+                           StopReason.OUTPUT_TRUNCATED, StopReason.MAX_TURNS})
+_CODE_ENDINGS = frozenset({StopReason.SUBMITTED, StopReason.NO_ACTION, StopReason.ERROR})
+
+
+@dataclass(frozen=True)
+class E2BSettings:
+    """How episodes use E2B.
+
+    - `template`: the sandbox template (name or id); it needs `python3` >= 3.8.
+    - `api_key`: None reads `E2B_API_KEY`, as the SDK does.
+    - `python`: the interpreter that runs the runner in the sandbox.
+    - `transport_retries`: replays on a fresh sandbox after a transport failure, only
+      before the episode's first environment action. 0 for harbor (mutable tasks).
+    - `sandbox_grace_s`: how long a sandbox may outlive its episode's budget if every kill
+      fails; E2B then ends it itself.
+    - `request_timeout_s`: bound of each E2B API and envd request.
+    """
+
+    template: str = DEFAULT_TEMPLATE
+    api_key: str | None = None
+    python: str = "python3"
+    transport_retries: int = 0
+    sandbox_grace_s: float = 60.0
+    request_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.template, str) or not self.template.strip():
+            raise ValueError(f"e2b template must be a non-empty name, got {self.template!r}")
+        retries = self.transport_retries
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"transport_retries must be an integer >= 0, got {retries!r}")
+        for name in ("sandbox_grace_s", "request_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                math.isfinite(value) and value > 0
+            ):
+                raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+
+
+class _TransportFailure(Exception):
+    """The sandbox side failed: creation, the runner process, or its byte stream."""
+
+
+class _ProtocolViolation(Exception):
+    """The runner sent a well-formed frame that the protocol does not allow."""
+
+
+@dataclass(frozen=True)
+class _Exited:
+    """The runner's output stream ended: its exit code, or why the stream broke."""
+
+    exit_code: int | None
+    error: str | None = None
+
+
+_WAKE = object()  # put in the frame queue to make the serving thread look at its boundaries
+
+
+class _RunnerProcess:
+    """The runner in one sandbox: its frames arrive through a reader thread, replies go
+    out through envd's SendInput.
+
+    The reader thread lives as long as the command's output stream, which ends when the
+    process exits or the sandbox is killed (and at the latest at the command timeout).
+    """
+
+    def __init__(self, sandbox: Sandbox, handle: Any, request_timeout_s: float) -> None:
+        self.sandbox = sandbox
+        self._handle = handle
+        self._request_timeout_s = request_timeout_s
+        self._frames: queue.Queue[object] = queue.Queue()
+        self._buffer = ""
+        self._overflowed = False
+        self._stderr = ""
+        self._thread = threading.Thread(target=self._read, daemon=True,
+                                        name=f"wmo-trio-runner-{sandbox.sandbox_id}")
+        self._thread.start()
+
+    def _on_stdout(self, chunk: str) -> None:
+        if self._overflowed:
+            return
+        self._buffer += chunk
+        while "\n" in self._buffer:
+            line, self._buffer = self._buffer.split("\n", 1)
+            self._frames.put(line)
+        if len(self._buffer) > MAX_FRAME_CHARS:
+            self._overflowed = True
+            self._frames.put(_Exited(None, f"the runner wrote over {MAX_FRAME_CHARS} characters "
+                                           "without ending a frame"))
+
+    def _on_stderr(self, chunk: str) -> None:
+        self._stderr = (self._stderr + chunk)[-_STDERR_TAIL_CHARS:]
+
+    def _read(self) -> None:
+        try:
+            result = self._handle.wait(on_stdout=self._on_stdout, on_stderr=self._on_stderr)
+            exited = _Exited(result.exit_code)
+        except CommandExitException as error:
+            exited = _Exited(error.exit_code)
+        except Exception as error:
+            exited = _Exited(None, f"{type(error).__name__}: {error}")
+        self._frames.put(exited)
+
+    def next(self, timeout: float | None) -> object:
+        """The next line, an `_Exited`, or `_WAKE` (woken, or `timeout` passed)."""
+        try:
+            return self._frames.get(timeout=None if timeout is None else max(0.0, timeout))
+        except queue.Empty:
+            return _WAKE
+
+    def wake(self) -> None:
+        self._frames.put(_WAKE)
+
+    def send(self, frame: dict[str, Any]) -> None:
+        try:
+            self.sandbox.commands.send_stdin(self._handle.pid, json.dumps(frame) + "\n",
+                                             request_timeout=self._request_timeout_s)
+        except Exception as error:
+            raise _TransportFailure(
+                f"could not send a frame to the runner: {type(error).__name__}: {error}"
+            ) from error
+
+    def describe(self, exited: _Exited) -> str:
+        if exited.error is not None:
+            text = f"the runner's output stream failed before its done frame: {exited.error}"
+        else:
+            text = f"the runner exited with code {exited.exit_code} before its done frame"
+        tail = self._stderr.strip()
+        return text + (f"; its stderr ends with:\n{tail}" if tail else "")
+
+
+def _frame_field(frame: dict[str, Any], name: str, kind: type, *, optional: bool = False) -> Any:
+    value = frame.get(name)
+    if value is None and optional:
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _ProtocolViolation(f"{frame.get('type')!r} frame: field {name!r} must be "
+                                 f"{kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _validated[M: BaseModel](model: type[M], data: object, what: str) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or what}: {e['msg']}"
+                             for e in error.errors()[:3])
+        raise _ProtocolViolation(f"invalid {what}: {problems}") from None
+
+
+class E2BRuntime:
+    """Runs one episode of `doc` with its loop in an E2B sandbox. See the module docstring.
+
+    `run()` returns a `RunResult` for every ending, failures of the sandbox included, and
+    raises only on a defect of wmo_trio. `abort()` kills the sandbox at once; `close()`
+    (idempotent) kills whatever sandbox is left. Both may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        doc: HarnessDoc,
+        provider: Provider,
+        *,
+        episode_timeout_s: float = DEFAULT_EPISODE_TIMEOUT_S,
+        should_cancel: Callable[[], bool] | None = None,
+        context_window: int | None = None,
+        on_progress: Callable[[EpisodeLog], None] | None = None,
+        owns_provider: bool = False,
+        settings: E2BSettings | None = None,
+    ) -> None:
+        self.doc = doc
+        self.provider = provider
+        self.settings = settings or E2BSettings()
+        self.episode_timeout_s = check_episode_timeout(episode_timeout_s, name="episode_timeout_s")
+        self.context_window = context_window
+        self.mode = "loop" if doc.runtime_code is None else "code"
+        # The built-in loop's prompt is EpisodeRuntime's, so the two backends send the
+        # model the same system prompt.
+        self._loop_prompt = EpisodeRuntime(doc, provider).system_prompt()
+        self.log = EpisodeLog(on_progress)
+        self.sandbox_ids: list[str] = []
+        self._should_cancel = should_cancel or (lambda: False)
+        self._owns_provider = owns_provider
+        self._control = CallControl()
+        self._aborted = False
+        self._closed = False
+        self._started = False
+        self._environment: Environment | None = None
+        self._sandbox: Sandbox | None = None
+        self._runner: _RunnerProcess | None = None
+        self._lock = threading.Lock()
+
+    # -- control from other threads -------------------------------------------------------
+
+    def abort(self) -> None:
+        """Stop now: kill the sandbox and interrupt the model or environment call in flight."""
+        self._aborted = True
+        self._interrupt()
+        self._kill_sandbox()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._control.interrupt()
+        self._kill_sandbox()  # wakes the serving thread too
+        if self._owns_provider:
+            self.provider.close()
+
+    def _stopping(self) -> bool:
+        return self._aborted or self._closed or self._should_cancel()
+
+    def _interrupt(self) -> None:
+        self._control.interrupt()
+        environment = self._environment
+        if isinstance(environment, Interruptible):
+            environment.interrupt()
+        runner = self._runner
+        if runner is not None:
+            runner.wake()
+
+    def _kill_sandbox(self) -> None:
+        with self._lock:
+            sandbox, self._sandbox = self._sandbox, None
+            runner = self._runner
+        if runner is not None:
+            runner.wake()
+        if sandbox is None:
+            return
+        try:
+            sandbox.kill(request_timeout=self.settings.request_timeout_s)
+        except Exception:
+            log.warning("killing sandbox %s failed; E2B ends it at its timeout",
+                        sandbox.sandbox_id, exc_info=True)
+
+    def system_prompt(self) -> str:
+        return self._loop_prompt if self.mode == "loop" else self.doc.system_prompt
+
+    # -- the episode ----------------------------------------------------------------------
+
+    def run(self, task_id: str, instruction: str, environment: Environment) -> RunResult:
+        with self._lock:
+            if self._started:
+                raise RuntimeError("an E2BRuntime runs a single episode; build another")
+            self._started = True
+            self._environment = environment
+        self._control.deadline = time.monotonic() + self.episode_timeout_s
+        watch = DEADLINES.schedule(self._control.deadline, self._interrupt)
+        services = EpisodeServices(
+            self.doc, self.provider, self.log, self._control, stopping=self._stopping,
+            episode_timeout_s=self.episode_timeout_s, context_window=self.context_window,
+            code_mode=self.mode == "code",
+        )
+        services.environment = environment
+        spec = episode_spec(self.doc, task_id=task_id, instruction=instruction, mode=self.mode,
+                            context_window=self.context_window, loop_system_prompt=self._loop_prompt)
+        payload = json.dumps(spec).encode("utf-8")
+        try:
+            reason, answer = self._attempts(services, payload, task_id)
+        except EpisodeEnded as ended:
+            reason, answer = ended.reason, ended.answer
+        finally:
+            DEADLINES.cancel(watch)
+            self._kill_sandbox()
+        steps = self.log.steps()
+        return RunResult(task_id=task_id, steps=steps, stop_reason=reason, answer=answer,
+                         turns=count_tool_steps(steps), worker_usage=self.log.usage())
+
+    def _attempts(self, services: EpisodeServices, payload: bytes,
+                  task_id: str) -> tuple[StopReason, str]:
+        retries = self.settings.transport_retries
+        attempt = 0
+        while True:
+            services.boundary()
+            attempt += 1
+            services.model_calls = 0  # a replay starts the loop over
+            known = len(self.sandbox_ids)
+            try:
+                return self._attempt(services, payload, task_id)
+            except _TransportFailure as failure:
+                services.boundary()  # a sandbox killed by abort() or the budget ends as that
+                where = {"attempt": attempt, "sandbox_id": self._new_sandbox_id(known)}
+                if attempt <= retries and services.env_actions == 0:
+                    services.record_error(
+                        f"sandbox transport failed: {failure}; replaying the episode on a fresh "
+                        f"sandbox (attempt {attempt + 1} of {retries + 1})", **where)
+                    continue
+                why = ("; not replayed: the episode already ran an environment action"
+                       if attempt <= retries else "")
+                services.record_error(f"sandbox transport failed: {failure}{why}", **where)
+                return StopReason.ERROR, ""
+            except _ProtocolViolation as violation:
+                services.record_error(f"the sandbox runner broke the frame protocol: {violation}",
+                                      attempt=attempt, sandbox_id=self._new_sandbox_id(known))
+                return StopReason.ERROR, ""
+            finally:
+                self._kill_sandbox()
+
+    def _new_sandbox_id(self, known: int) -> str | None:
+        return self.sandbox_ids[-1] if len(self.sandbox_ids) > known else None
+
+    def _create_sandbox(self, services: EpisodeServices, task_id: str) -> Sandbox:
+        remaining = self._control.remaining() or 0.0
+        lifetime = math.ceil(remaining + self.settings.sandbox_grace_s)
+        try:
+            sandbox = Sandbox.create(
+                template=self.settings.template,
+                timeout=lifetime,
+                metadata={"created_by": "wmo_trio", "task_id": task_id[:200]},
+                api_key=self.settings.api_key,
+                request_timeout=self.settings.request_timeout_s,
+            )
+        except Exception as error:
+            raise _TransportFailure(f"creating a sandbox from template {self.settings.template!r} "
+                                    f"failed: {type(error).__name__}: {error}") from error
+        with self._lock:
+            self._sandbox = sandbox
+            self.sandbox_ids.append(sandbox.sandbox_id)
+        if self._stopping():  # aborted while the creation was in flight
+            self._kill_sandbox()
+            services.boundary()
+        return sandbox
+
+    def _attempt(self, services: EpisodeServices, payload: bytes,
+                 task_id: str) -> tuple[StopReason, str]:
+        sandbox = self._create_sandbox(services, task_id)
+        workdir = f"/tmp/wmo-trio-{sandbox.sandbox_id}"
+        command = " ".join(shlex.quote(part) for part in (
+            self.settings.python, "-I", f"{workdir}/runner.py", f"{workdir}/episode.json"))
+        lifetime = math.ceil((self._control.remaining() or 0.0) + self.settings.sandbox_grace_s)
+        try:
+            sandbox.files.write_files(
+                [{"path": f"{workdir}/runner.py", "data": RUNNER_SOURCE},
+                 {"path": f"{workdir}/episode.json", "data": payload}],
+                request_timeout=self.settings.request_timeout_s,
+            )
+            handle = sandbox.commands.run(command, background=True, stdin=True, cwd=workdir,
+                                          timeout=lifetime)
+        except Exception as error:
+            raise _TransportFailure(
+                f"starting the runner failed: {type(error).__name__}: {error}") from error
+        runner = _RunnerProcess(sandbox, handle, self.settings.request_timeout_s)
+        with self._lock:
+            self._runner = runner
+        return self._serve(runner, services)
+
+    def _serve(self, runner: _RunnerProcess, services: EpisodeServices) -> tuple[StopReason, str]:
+        greeted = False
+        while True:
+            item = runner.next(self._control.remaining())
+            services.boundary()
+            if item is _WAKE:
+                continue
+            if isinstance(item, _Exited):
+                raise _TransportFailure(runner.describe(item))
+            assert isinstance(item, str)
+            try:
+                frame = json.loads(item)
+            except ValueError:
+                raise _TransportFailure(
+                    f"the runner sent a line that is not a JSON frame: {item[:200]!r}") from None
+            if not isinstance(frame, dict):
+                raise _ProtocolViolation(f"a frame must be a JSON object, got {item[:200]!r}")
+            kind = frame.get("type")
+            if not greeted:
+                if kind != "hello" or frame.get("protocol") != PROTOCOL:
+                    raise _ProtocolViolation(
+                        f"expected a hello frame for protocol {PROTOCOL}, got {item[:200]!r}")
+                greeted = True
+            elif kind == "complete":
+                frame_id = _frame_field(frame, "id", int)
+                request = _validated(ProviderRequest, frame.get("request"), "model request")
+                response = services.complete(request)
+                runner.send({"type": "completion", "id": frame_id,
+                             "response": response.model_dump(mode="json")})
+            elif kind == "execute":
+                frame_id = _frame_field(frame, "id", int)
+                action = Action(
+                    kind=ActionKind.TOOL_CALL,
+                    name=_frame_field(frame, "tool", str),
+                    arguments=_frame_field(frame, "arguments", dict, optional=True),
+                    content=_frame_field(frame, "content", str, optional=True),
+                )
+                observation = services.execute(
+                    action, _frame_field(frame, "parse_error", str, optional=True))
+                runner.send({"type": "observation", "id": frame_id,
+                             "observation": observation.model_dump(mode="json")})
+            elif kind == "step":
+                step = _validated(Step, frame.get("step"), "step")
+                if step.action.kind is not ActionKind.MESSAGE:
+                    raise _ProtocolViolation("a step frame may only carry a message step; tool "
+                                             "calls are recorded by the host as it answers them")
+                self.log.record(step.action, step.observation)
+            elif kind == "done":
+                return self._done(frame, services)
+            else:
+                raise _ProtocolViolation(f"unknown frame type {kind!r}")
+
+    def _done(self, frame: dict[str, Any], services: EpisodeServices) -> tuple[StopReason, str]:
+        reason = frame.get("stop_reason")
+        answer = _frame_field(frame, "answer", str, optional=True) or ""
+        allowed = _CODE_ENDINGS if self.mode == "code" else _LOOP_ENDINGS
+        if reason not in {ending.value for ending in allowed}:
+            services.record_error(f"the sandbox runner ended the episode with the reason "
+                                  f"{reason!r}, which it may not give")
+            return StopReason.UNKNOWN_DONE_REASON, ""
+        ending = StopReason(reason)
+        return ending, answer if ending is StopReason.SUBMITTED else ""
