@@ -90,6 +90,8 @@ def engine_rows(engine: dict[str, dict[str, Any]]) -> list[tuple[str, str, dict[
     for index, n in enumerate(sizes):
         for key, label, unit in (("start_p50_ms", "start latency p50", "ms"),
                                  ("start_p99_ms", "start latency p99", "ms"),
+                                 ("batch_start_p99_ms", "first step p99, from the batch start",
+                                  "ms"),
                                  ("wall_over_ideal", "wall time / ideal", "x"),
                                  ("heartbeat_p99_ms", "host heartbeat lateness p99", "ms"),
                                  ("peak_threads", "peak threads", ""),

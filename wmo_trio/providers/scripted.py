@@ -88,21 +88,22 @@ class ScriptedReply(BaseModel):
     error: ScriptedError | None = None
 
 
-def estimate_tokens(text: str) -> int:
-    return math.ceil(len(text) / 4)
+def _call_chars(call: ToolCall) -> int:
+    arguments = call.raw_arguments
+    if arguments is None:
+        arguments = json.dumps(call.arguments, separators=(",", ":"))
+    return len(call.name) + len(arguments)
 
 
-def estimated_usage(request: ProviderRequest, reply_text: str, calls: Sequence[ToolCall]) -> TokenUsage:
-    prompt = request.system + json.dumps(
-        [m.model_dump(mode="json") for m in request.messages], separators=(",", ":")
-    ) + json.dumps([t.model_dump(mode="json") for t in request.tools], separators=(",", ":"))
-    output = reply_text + "".join(
-        c.name + (c.raw_arguments or json.dumps(c.arguments, separators=(",", ":")))
-        for c in calls
-    )
-    return TokenUsage(
-        input_tokens=estimate_tokens(prompt), output_tokens=estimate_tokens(output), calls=1
-    )
+def estimated_usage(request: ProviderRequest, reply_text: str,
+                    calls: Sequence[ToolCall]) -> TokenUsage:
+    """About one token per four characters of what the model reads and writes."""
+    prompt = len(request.system) + sum(
+        len(m.content) + sum(_call_chars(c) for c in m.tool_calls) for m in request.messages
+    ) + sum(len(t.name) + len(t.description) + len(str(t.parameters)) for t in request.tools)
+    output = len(reply_text) + sum(_call_chars(c) for c in calls)
+    return TokenUsage(input_tokens=math.ceil(prompt / 4), output_tokens=math.ceil(output / 4),
+                      calls=1)
 
 
 def _to_tool_call(call: ScriptedToolCall, turn: int, index: int) -> ToolCall:
