@@ -30,7 +30,7 @@ from wmo_trio.backends.e2b import RUNNER_SOURCE, E2BRuntime, E2BSettings
 from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
 from wmo_trio.episode.build import build_runtime, check_backend
 from wmo_trio.episode.code_runtime import CodeRuntime
-from wmo_trio.episode.runtime import _ELIDED
+from wmo_trio.episode.runtime import ELIDED
 from wmo_trio.harness import HarnessDoc, load_harness, parse_harness
 from wmo_trio.models import ActionKind, RunResult, StopReason
 from wmo_trio.providers import build_provider
@@ -171,7 +171,7 @@ def test_the_built_in_loop_in_a_sandbox_is_the_local_loop(e2b: FakeE2B, tmp_path
         requests[backend] = [request.model_dump() for request in spy.requests]
     assert results["local"].stop_reason is expected, results["local"].steps
     if window is not None:  # the case is meant to make the loop elide old tool outputs
-        assert _ELIDED in json.dumps(requests["local"])
+        assert ELIDED in json.dumps(requests["local"])
     assert results["e2b"].model_dump() == results["local"].model_dump()
     assert requests["e2b"] == requests["local"]
 

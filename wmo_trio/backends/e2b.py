@@ -71,8 +71,6 @@ import math
 import queue
 import shlex
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -82,13 +80,10 @@ from pydantic import BaseModel, ValidationError
 
 from wmo_trio.backends.runner import PROTOCOL
 from wmo_trio.episode.code_runtime import EpisodeEnded, EpisodeServices, episode_spec
-from wmo_trio.episode.deadlines import DEADLINES
-from wmo_trio.episode.environment import Environment, Interruptible
+from wmo_trio.episode.environment import Environment
 from wmo_trio.episode.runtime import (
-    DEFAULT_EPISODE_TIMEOUT_S,
-    EpisodeLog,
     EpisodeRuntime,
-    check_episode_timeout,
+    RuntimeBase,
 )
 from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import (
@@ -97,9 +92,8 @@ from wmo_trio.models import (
     RunResult,
     Step,
     StopReason,
-    count_tool_steps,
 )
-from wmo_trio.providers.base import CallControl, Provider, ProviderRequest
+from wmo_trio.providers.base import Provider, ProviderRequest
 
 __all__ = ["DEFAULT_TEMPLATE", "E2BRuntime", "E2BSettings"]
 
@@ -261,7 +255,7 @@ def _validated[M: BaseModel](model: type[M], data: object, what: str) -> M:
         raise _ProtocolViolation(f"invalid {what}: {problems}") from None
 
 
-class E2BRuntime:
+class E2BRuntime(RuntimeBase):
     """Runs one episode of `doc` with its loop in an E2B sandbox. See the module docstring.
 
     `run()` returns a `RunResult` for every ending, failures of the sandbox included, and
@@ -269,66 +263,33 @@ class E2BRuntime:
     (idempotent) kills whatever sandbox is left. Both may be called from any thread.
     """
 
-    def __init__(
-        self,
-        doc: HarnessDoc,
-        provider: Provider,
-        *,
-        episode_timeout_s: float = DEFAULT_EPISODE_TIMEOUT_S,
-        should_cancel: Callable[[], bool] | None = None,
-        context_window: int | None = None,
-        on_progress: Callable[[EpisodeLog], None] | None = None,
-        owns_provider: bool = False,
-        settings: E2BSettings | None = None,
-    ) -> None:
-        self.doc = doc
-        self.provider = provider
+    def __init__(self, doc: HarnessDoc, provider: Provider, *,
+                 settings: E2BSettings | None = None, **kwargs: Any) -> None:
+        super().__init__(doc, provider, **kwargs)
         self.settings = settings or E2BSettings()
-        self.episode_timeout_s = check_episode_timeout(episode_timeout_s, name="episode_timeout_s")
-        self.context_window = context_window
         self.mode = "loop" if doc.runtime_code is None else "code"
         # The built-in loop's prompt is EpisodeRuntime's, so the two backends send the
         # model the same system prompt.
         self._loop_prompt = EpisodeRuntime(doc, provider).system_prompt()
-        self.log = EpisodeLog(on_progress)
         self.sandbox_ids: list[str] = []
-        self._should_cancel = should_cancel or (lambda: False)
-        self._owns_provider = owns_provider
-        self._control = CallControl()
-        self._aborted = False
-        self._closed = False
-        self._started = False
-        self._environment: Environment | None = None
         self._sandbox: Sandbox | None = None
         self._runner: _RunnerProcess | None = None
-        self._lock = threading.Lock()
 
     # -- control from other threads -------------------------------------------------------
 
     def abort(self) -> None:
         """Stop now: kill the sandbox and interrupt the model or environment call in flight."""
-        self._aborted = True
-        self._interrupt()
+        super().abort()
         self._kill_sandbox()
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._control.interrupt()
+    def _release(self) -> None:
         self._kill_sandbox()  # wakes the serving thread too
-        if self._owns_provider:
-            self.provider.close()
 
     def _stopping(self) -> bool:
-        return self._aborted or self._closed or self._should_cancel()
+        return self._closed or super()._stopping()
 
     def _interrupt(self) -> None:
-        self._control.interrupt()
-        environment = self._environment
-        if isinstance(environment, Interruptible):
-            environment.interrupt()
+        super()._interrupt()
         runner = self._runner
         if runner is not None:
             runner.wake()
@@ -353,32 +314,24 @@ class E2BRuntime:
     # -- the episode ----------------------------------------------------------------------
 
     def run(self, task_id: str, instruction: str, environment: Environment) -> RunResult:
-        with self._lock:
-            if self._started:
-                raise RuntimeError("an E2BRuntime runs a single episode; build another")
-            self._started = True
-            self._environment = environment
-        self._control.deadline = time.monotonic() + self.episode_timeout_s
-        watch = DEADLINES.schedule(self._control.deadline, self._interrupt)
-        services = EpisodeServices(
-            self.doc, self.provider, self.log, self._control, stopping=self._stopping,
-            episode_timeout_s=self.episode_timeout_s, context_window=self.context_window,
-            code_mode=self.mode == "code",
-        )
-        services.environment = environment
-        spec = episode_spec(self.doc, task_id=task_id, instruction=instruction, mode=self.mode,
-                            context_window=self.context_window, loop_system_prompt=self._loop_prompt)
-        payload = json.dumps(spec).encode("utf-8")
-        try:
-            reason, answer = self._attempts(services, payload, task_id)
-        except EpisodeEnded as ended:
-            reason, answer = ended.reason, ended.answer
-        finally:
-            DEADLINES.cancel(watch)
-            self._kill_sandbox()
-        steps = self.log.steps()
-        return RunResult(task_id=task_id, steps=steps, stop_reason=reason, answer=answer,
-                         turns=count_tool_steps(steps), worker_usage=self.log.usage())
+        with self._episode(environment):
+            services = EpisodeServices(
+                self.doc, self.provider, self.log, self._control, stopping=self._stopping,
+                episode_timeout_s=self.episode_timeout_s, context_window=self.context_window,
+                code_mode=self.mode == "code",
+            )
+            services.environment = environment
+            spec = episode_spec(self.doc, task_id=task_id, instruction=instruction,
+                                mode=self.mode, context_window=self.context_window,
+                                loop_system_prompt=self._loop_prompt)
+            payload = json.dumps(spec).encode("utf-8")
+            try:
+                reason, answer = self._attempts(services, payload, task_id)
+            except EpisodeEnded as ended:
+                reason, answer = ended.reason, ended.answer
+            finally:
+                self._kill_sandbox()
+        return self._result(task_id, reason, answer)
 
     def _attempts(self, services: EpisodeServices, payload: bytes,
                   task_id: str) -> tuple[StopReason, str]:

@@ -48,21 +48,17 @@ computing without calling the kit (the e2b backend kills its sandbox instead).
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 from wmo_trio.backends.runner import Kit, run_program
-from wmo_trio.episode.deadlines import DEADLINES
-from wmo_trio.episode.environment import Environment, Interruptible
+from wmo_trio.episode.environment import Environment
 from wmo_trio.episode.runtime import (
-    _ELIDED,
-    DEFAULT_EPISODE_TIMEOUT_S,
+    ELIDED,
     MAX_CONSECUTIVE_UNUSABLE,
     NUDGES,
     EpisodeLog,
-    check_episode_timeout,
+    RuntimeBase,
 )
 from wmo_trio.episode.tools import (
     argument_problem,
@@ -79,7 +75,6 @@ from wmo_trio.models import (
     RunResult,
     Step,
     StopReason,
-    count_tool_steps,
 )
 from wmo_trio.providers.base import (
     CallControl,
@@ -157,7 +152,7 @@ def episode_spec(doc: HarnessDoc, *, task_id: str, instruction: str, mode: str,
             tool_specs=[tool_spec(name).model_dump(mode="json") for name in doc.tools],
             nudges=dict(NUDGES),
             max_unusable=MAX_CONSECUTIVE_UNUSABLE,
-            elided=_ELIDED,
+            elided=ELIDED,
             unparsed=invalid_arguments("{tool}", "could not parse them ({reason})").content,
         )
     return spec
@@ -310,7 +305,7 @@ class _LocalChannel:
         return self._services.execute(action, parse_error).model_dump(mode="json")
 
 
-class CodeRuntime:
+class CodeRuntime(RuntimeBase):
     """Runs one episode of a `code:runtime` document in this process. See the module
     docstring: the program is trusted code.
 
@@ -319,93 +314,40 @@ class CodeRuntime:
     idempotent.
     """
 
-    def __init__(
-        self,
-        doc: HarnessDoc,
-        provider: Provider,
-        *,
-        episode_timeout_s: float = DEFAULT_EPISODE_TIMEOUT_S,
-        should_cancel: Callable[[], bool] | None = None,
-        context_window: int | None = None,
-        on_progress: Callable[[EpisodeLog], None] | None = None,
-        owns_provider: bool = False,
-    ) -> None:
+    def __init__(self, doc: HarnessDoc, provider: Provider, **kwargs: Any) -> None:
         if doc.runtime_code is None:
             raise ValueError(f"document {doc.name!r} has no code:runtime surface; "
                              "run it with EpisodeRuntime")
-        self.doc = doc
-        self.provider = provider
-        self.episode_timeout_s = check_episode_timeout(episode_timeout_s, name="episode_timeout_s")
-        self.context_window = context_window
-        self.log = EpisodeLog(on_progress)
-        self._should_cancel = should_cancel or (lambda: False)
-        self._owns_provider = owns_provider
-        self._control = CallControl()
-        self._aborted = False
-        self._closed = False
-        self._started = False
-        self._environment: Environment | None = None
-        self._lock = threading.Lock()
-
-    def abort(self) -> None:
-        """Stop at the next kit call and make the call in flight return as soon as it can."""
-        self._aborted = True
-        self._interrupt()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._control.interrupt()
-        if self._owns_provider:
-            self.provider.close()
-
-    def _interrupt(self) -> None:
-        self._control.interrupt()
-        environment = self._environment
-        if isinstance(environment, Interruptible):
-            environment.interrupt()
+        super().__init__(doc, provider, **kwargs)
 
     def system_prompt(self) -> str:
         """The document's prompt (what `kit.system_prompt` gives the program)."""
         return self.doc.system_prompt
 
     def run(self, task_id: str, instruction: str, environment: Environment) -> RunResult:
-        with self._lock:
-            if self._started:
-                raise RuntimeError("a CodeRuntime runs a single episode; build another")
-            self._started = True
-            self._environment = environment
-        self._control.deadline = time.monotonic() + self.episode_timeout_s
-        watch = DEADLINES.schedule(self._control.deadline, self._interrupt)
-        services = EpisodeServices(
-            self.doc, self.provider, self.log, self._control,
-            stopping=lambda: self._aborted or self._should_cancel(),
-            episode_timeout_s=self.episode_timeout_s, context_window=self.context_window,
-            code_mode=True,
-        )
-        services.environment = environment
-        spec = episode_spec(self.doc, task_id=task_id, instruction=instruction, mode="code",
-                            context_window=self.context_window)
-        source = self.doc.runtime_code
-        assert source is not None
-        try:
-            services.boundary()
-            outcome = run_program(source, Kit(_LocalChannel(services), spec))
-            # An ending the program caught and ignored still stands; then a stop that
-            # arrived while it computed its answer wins, as after the loop's last turn.
-            if services.ended is not None:
-                services.end(services.ended.reason)
-            services.boundary()
-            if outcome["step"] is not None:
-                step = Step.model_validate(outcome["step"])
-                self.log.record(step.action, step.observation)
-            reason, answer = StopReason(outcome["stop_reason"]), outcome["answer"]
-        except EpisodeEnded as ended:
-            reason, answer = ended.reason, ended.answer
-        finally:
-            DEADLINES.cancel(watch)
-        steps = self.log.steps()
-        return RunResult(task_id=task_id, steps=steps, stop_reason=reason, answer=answer,
-                         turns=count_tool_steps(steps), worker_usage=self.log.usage())
+        with self._episode(environment):
+            services = EpisodeServices(
+                self.doc, self.provider, self.log, self._control, stopping=self._stopping,
+                episode_timeout_s=self.episode_timeout_s, context_window=self.context_window,
+                code_mode=True,
+            )
+            services.environment = environment
+            spec = episode_spec(self.doc, task_id=task_id, instruction=instruction, mode="code",
+                                context_window=self.context_window)
+            source = self.doc.runtime_code
+            assert source is not None
+            try:
+                services.boundary()
+                outcome = run_program(source, Kit(_LocalChannel(services), spec))
+                # An ending the program caught and ignored still stands; then a stop that
+                # arrived while it computed its answer wins, as after the loop's last turn.
+                if services.ended is not None:
+                    services.end(services.ended.reason)
+                services.boundary()
+                if outcome["step"] is not None:
+                    step = Step.model_validate(outcome["step"])
+                    self.log.record(step.action, step.observation)
+                reason, answer = StopReason(outcome["stop_reason"]), outcome["answer"]
+            except EpisodeEnded as ended:
+                reason, answer = ended.reason, ended.answer
+        return self._result(task_id, reason, answer)

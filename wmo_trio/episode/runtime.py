@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 
@@ -63,7 +64,7 @@ NUDGES = {
         "short and call one tool at a time."
     ),
 }
-_ELIDED = "[output elided to fit the context window]"
+ELIDED = "[output elided to fit the context window]"
 
 
 def check_episode_timeout(value: object, *, name: str = "episode_timeout_sec") -> float:
@@ -142,13 +143,11 @@ class _Stop(Exception):
         self.answer = answer
 
 
-class EpisodeRuntime:
-    """Runs one episode of `doc` with `provider`. See the module docstring.
-
-    `run()` returns a `RunResult` for every ending, `cancelled` and `budget` included; it
-    raises only on a defect (an exception nobody turned into an observation). `abort()` and
-    `close()` may be called from any thread; `close()` is idempotent.
-    """
+class RuntimeBase:
+    """What every episode runtime shares: one episode of one document, stoppable from any
+    thread. `abort()` stops it at its next boundary and interrupts the call in flight;
+    `close()` is idempotent; the wall-clock budget interrupts like an abort but ends the
+    episode with `budget`. Subclasses implement `run` inside `self._episode(environment)`."""
 
     def __init__(
         self,
@@ -173,7 +172,6 @@ class EpisodeRuntime:
         self._closed = False
         self._started = False
         self._environment: Environment | None = None
-        self._env_actions = 0
         self._lock = threading.Lock()
 
     # -- control from other threads -------------------------------------------------------
@@ -189,8 +187,12 @@ class EpisodeRuntime:
                 return
             self._closed = True
         self._control.interrupt()
+        self._release()
         if self._owns_provider:
             self.provider.close()
+
+    def _release(self) -> None:
+        """What a subclass frees on close, besides an owned provider."""
 
     def _interrupt(self) -> None:
         self._control.interrupt()
@@ -198,36 +200,55 @@ class EpisodeRuntime:
         if isinstance(environment, Interruptible):
             environment.interrupt()
 
-    # -- the episode ----------------------------------------------------------------------
+    def _stopping(self) -> bool:
+        return self._aborted or self._should_cancel()
 
-    def run(self, task_id: str, instruction: str, environment: Environment) -> RunResult:
+    # -- the episode's frame ---------------------------------------------------------------
+
+    @contextmanager
+    def _episode(self, environment: Environment) -> Iterator[None]:
+        """Run once; the wall-clock deadline is armed for the block."""
         with self._lock:
             if self._started:
-                raise RuntimeError("an EpisodeRuntime runs a single episode; build another")
+                raise RuntimeError(f"a {type(self).__name__} runs a single episode; build another")
             self._started = True
             self._environment = environment
         self._control.deadline = time.monotonic() + self.episode_timeout_s
         watch = DEADLINES.schedule(self._control.deadline, self._interrupt)
         try:
-            if self._aborted:  # aborted before the worker even started
-                raise _Stop(StopReason.CANCELLED)
-            reason, answer = self._loop(instruction, environment), ""
-        except _Stop as stop:
-            reason, answer = stop.reason, stop.answer
+            yield
         finally:
             DEADLINES.cancel(watch)
+
+    def _result(self, task_id: str, reason: StopReason, answer: str) -> RunResult:
         steps = self.log.steps()
-        return RunResult(
-            task_id=task_id,
-            steps=steps,
-            stop_reason=reason,
-            answer=answer,
-            turns=count_tool_steps(steps),
-            worker_usage=self.log.usage(),
-        )
+        return RunResult(task_id=task_id, steps=steps, stop_reason=reason, answer=answer,
+                         turns=count_tool_steps(steps), worker_usage=self.log.usage())
+
+
+class EpisodeRuntime(RuntimeBase):
+    """Runs one episode of `doc` with `provider`: the built-in tool-calling loop. See the
+    module docstring.
+
+    `run()` returns a `RunResult` for every ending, `cancelled` and `budget` included; it
+    raises only on a defect (an exception nobody turned into an observation). `abort()` and
+    `close()` may be called from any thread; `close()` is idempotent.
+    """
+
+    _env_actions = 0  # environment actions taken; the episode runs once
+
+    def run(self, task_id: str, instruction: str, environment: Environment) -> RunResult:
+        with self._episode(environment):
+            try:
+                if self._aborted:  # aborted before the worker even started
+                    raise _Stop(StopReason.CANCELLED)
+                reason, answer = self._loop(instruction, environment), ""
+            except _Stop as stop:
+                reason, answer = stop.reason, stop.answer
+        return self._result(task_id, reason, answer)
 
     def _check_boundary(self) -> None:
-        if self._aborted or self._should_cancel():
+        if self._stopping():
             raise _Stop(StopReason.CANCELLED)
         if self._control.remaining() == 0.0:
             self.log.record(
@@ -383,8 +404,8 @@ class EpisodeRuntime:
         for index, message in enumerate(messages):
             if estimate() <= self.context_window:
                 break
-            if message.role == "tool" and message.content != _ELIDED:
-                messages[index] = message.model_copy(update={"content": _ELIDED})
+            if message.role == "tool" and message.content != ELIDED:
+                messages[index] = message.model_copy(update={"content": ELIDED})
         return list(messages)
 
 
