@@ -21,6 +21,7 @@ import outcome
 from pydantic import BaseModel, ConfigDict, Field
 
 from wmo_trio.episode.runtime import EpisodeLog
+from wmo_trio.episode.tools import valid_text
 from wmo_trio.models import ActionKind, RunResult, Step, TokenUsage, count_tool_steps
 
 TRACE_FILENAME = "wmo-run.json"
@@ -199,9 +200,11 @@ class TraceWriter:
     def write(self, trace: Trace, *, trajectory: TrajectoryInfo | None = None,
               log: EpisodeLog | None = None) -> None:
         """Write `wmo-run.json` first (the optimizer's record), then `trajectory.json`."""
-        write_atomically(self.trace_path, trace.model_dump_json(indent=2))
+        text = json.dumps(trace.model_dump(mode="json"), indent=2, ensure_ascii=False)
+        write_atomically(self.trace_path, valid_text(text))
         if trajectory is not None:
             write_atomically(
                 self.directory / TRAJECTORY_FILENAME,
-                json.dumps(trajectory_json(trace, trajectory, log), indent=2, ensure_ascii=False),
+                valid_text(json.dumps(trajectory_json(trace, trajectory, log), indent=2,
+                                     ensure_ascii=False)),
             )

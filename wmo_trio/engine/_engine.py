@@ -120,7 +120,12 @@ class EpisodeEngine:
         # `to_thread` with abandon_on_cancel=False hands back the worker's value even when
         # the caller was cancelled meanwhile; this checkpoint is where that cancellation
         # is delivered instead of being lost.
-        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        except trio.Cancelled:
+            if trace_error is not None:  # cancelled during cleanup: log it, as after any cancel
+                log.warning("writing the trace of a stopped episode failed", exc_info=trace_error)
+            raise
         assert not _is_cancelled(result), "a cancelled worker implies a cancelled caller"
         if trace_error is not None:
             raise trace_error

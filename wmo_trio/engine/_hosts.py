@@ -241,6 +241,8 @@ class HostCaller:
 
     def interrupt(self) -> None:
         with self._lock:
+            if self._interrupted:  # the call in flight was cancelled by the first interrupt
+                return
             self._interrupted = True
             task, done, scope, token = self._task, self._done, self._scope, self._token
         if task is not None and done is not None and self._loop is not None:
@@ -442,13 +444,21 @@ class LoopServingHost(Host):
     # -- episodes -----------------------------------------------------------------------
 
     async def run_episode(self, episode: Episode, *, workers: int | None = None) -> RunResult:
-        await asyncio.shield(self._ready)
+        submission = _Submission()
+        try:
+            await asyncio.shield(self._ready)
+        except asyncio.CancelledError:
+            # Cancelled while the trio run starts: submit the episode already cancelled, so
+            # it is recorded like any other, then let the cancellation propagate.
+            await _wait_ignoring_cancellation(self._ready)
+            submission.cancel_requested = True
         if self._token is None or self._finished.done():
             raise RuntimeError("the wmo_trio engine's trio run is not running")
         future: asyncio.Future[Any] = self._loop.create_future()
-        submission = _Submission()
         self._token.run_sync_soon(self._spawn, episode, workers, future, submission)
         try:
+            if submission.cancel_requested:
+                raise asyncio.CancelledError
             value = await asyncio.shield(future)
         except asyncio.CancelledError:
             _soon(self._token, submission.cancel)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from wmo_trio.harness import ENVIRONMENT_TOOLS
 from wmo_trio.models import Observation
 from wmo_trio.providers.base import ToolSpec
@@ -86,11 +88,21 @@ def bounded_text(text: str, *, suffix: str = "", limit: int = MAX_OBSERVATION_CH
     return result
 
 
+_UNPAIRED_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """`text` with every unpaired surrogate (output an environment decoded with
+    surrogateescape, a model's JSON escapes) replaced by U+FFFD, as `decode_output` does
+    for invalid bytes, so that it can be sent to a model and written as UTF-8."""
+    return _UNPAIRED_SURROGATE.sub("\ufffd", text)
+
+
 def command_observation(stdout: str, stderr: str, return_code: int) -> Observation:
     """The observation of a finished command: stdout then stderr, `[exit N]` on failure."""
     suffix = f"\n[exit {return_code}]" if return_code != 0 else ""
     return Observation(
-        content=bounded_text(stdout + stderr, suffix=suffix),
+        content=valid_text(bounded_text(stdout + stderr, suffix=suffix)),
         is_error=return_code != 0,
         metadata={"return_code": return_code},
     )
@@ -99,7 +111,7 @@ def command_observation(stdout: str, stderr: str, return_code: int) -> Observati
 def failure_observation(error: BaseException) -> Observation:
     """A failure of the environment call itself: feedback for the agent, never fatal."""
     return Observation(
-        content=bounded_text(f"environment command failed: {type(error).__name__}: {error}"),
+        content=valid_text(bounded_text(f"environment command failed: {type(error).__name__}: {error}")),
         is_error=True,
     )
 

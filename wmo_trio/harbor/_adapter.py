@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import os
+import posixpath
 import shlex
 import tempfile
 from typing import Any
@@ -46,17 +47,16 @@ class HarborEnvironmentAdapter(ShellEnvironment):
 
     def write_file_bytes(self, path: str, data: bytes) -> None:
         quoted = shlex.quote(path)
+        # The parent is computed here: "$(dirname ...)" would strip a trailing newline.
+        parent = shlex.quote(posixpath.dirname(path) or ".")
         if len(data) <= INLINE_WRITE_LIMIT:
             encoded = base64.b64encode(data).decode("ascii")
-            self._checked(
-                f'mkdir -p -- "$(dirname -- {quoted})" && '
-                f"printf %s {encoded} | base64 -d > {quoted}"
-            )
+            self._checked(f"mkdir -p -- {parent} && printf %s {encoded} | base64 -d > {quoted}")
             return
         # Resolve the path where commands run (relative paths are the task's working
         # directory), then upload the bytes to that absolute path.
         absolute = self._checked(
-            f'mkdir -p -- "$(dirname -- {quoted})" && realpath -m -- {quoted}'
+            f"mkdir -p -- {parent} && realpath -m -- {quoted}"
         ).stdout.removesuffix("\n")
         fd, temporary = tempfile.mkstemp(prefix="wmo-trio-write-")
         try:

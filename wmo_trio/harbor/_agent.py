@@ -265,12 +265,11 @@ class HarborEpisode:
 
     def record(self, result: outcome.Outcome[RunResult], cancelled: bool) -> None:
         trace = trace_for(self.task_id, result, cancelled=cancelled, log=self._log)
-        if cancelled or not isinstance(result, outcome.Value):
-            self._context.metadata = {
-                **(self._context.metadata or {}),
-                "stop_reason": str(trace.stop_reason),
-                "turns": trace.turns,
-            }
+        self._context.metadata = {
+            **(self._context.metadata or {}),
+            "stop_reason": str(trace.stop_reason),
+            "turns": trace.turns,
+        }
         TraceWriter(self._agent.logs_dir).write(
             trace,
             trajectory=self._agent._trajectory_info(self._runtime, self._instruction),
