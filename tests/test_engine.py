@@ -286,13 +286,21 @@ def test_the_trio_owned_host_stops_waits_and_unwraps() -> None:
                 await host.run_episode(FakeEpisode(error=KeyError("boom")))
             except KeyError as error:
                 unwrapped = repr(error)
-            return {"host": host.name, "results": results, "error": unwrapped}
+            # a timeout before the episode's trio task even started still records it
+            early = FakeEpisode(duration=30)
+            try:
+                await asyncio.wait_for(host.run_episode(early), 1e-6)
+            except asyncio.TimeoutError:
+                pass
+            return {"host": host.name, "results": results, "error": unwrapped,
+                    "early": early.events}
 
         print(json.dumps(engine.run(main)))
     """)
     report = json.loads(out)
     assert report["host"] == "trio-asyncio"
     assert report["error"] == "KeyError('boom')"
+    assert report["early"][-1][0] == "record" and report["early"][-1][2] is True
     for kind, events, worker_first in report["results"]:
         expected = (["run", "close", ["record", "Value", False]] if kind == "done"
                     else ["run", "stop", "close", ["record", "Value", True]])

@@ -38,10 +38,14 @@ log = logging.getLogger("wmo_trio.engine")
 
 HostMode = Literal["thread", "guest"]
 
-# Default for loops harbor owns. Measured on this machine (2 cores, benchmarks/engine.py,
-# 5,000 tiny episodes): the thread-hosted run costs less per episode than the guest run,
-# whose trio scheduling shares the asyncio thread with harbor's own work; both are within
-# a few percent of each other on 64 concurrent 100 ms episodes. WMO_TRIO_HOST overrides it.
+# Default for loops harbor owns: a dedicated thread. Measured side by side (`make bench`,
+# 2 cores): the thread host keeps harbor's loop responsive (1 ms heartbeat p99 47 ms at
+# 1,024 episodes against 336 ms for the guest run, 21 ms against 45 ms at 256) and costs
+# less per episode (1.0 ms against 1.6 ms, 5,000 tiny episodes), because a guest run does
+# all of trio's scheduling on harbor's own thread. The guest run starts large bursts
+# sooner (p99 0.6 s against 3.9 s for 1,024 at once) for the same reason: it spawns the
+# workers from the loop thread, which is what makes that loop late. WMO_TRIO_HOST=guest
+# selects it.
 DEFAULT_HOST_MODE: HostMode = "thread"
 
 _ENGINE: trio.lowlevel.RunVar[EpisodeEngine] = trio.lowlevel.RunVar("wmo_trio_engine")
@@ -294,31 +298,38 @@ class Host(ABC):
 
 
 class TrioAsyncioHost(Host):
-    """trio owns the process; asyncio runs inside `trio_asyncio.open_loop()`."""
+    """trio owns the process; asyncio runs inside `trio_asyncio.open_loop()`.
+
+    The episode's trio task is always started, and cancelled through its own scope: a
+    task that trio-asyncio dropped before it started (an asyncio cancellation arriving
+    that early) would never reach the engine, and so never write its trace.
+    """
 
     name = "trio-asyncio"
 
     async def run_episode(self, episode: Episode, *, workers: int | None = None) -> RunResult:
-        import trio_asyncio
+        loop: Any = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        submission = _Submission()
 
-        async def in_trio() -> RunResult:
+        async def in_trio() -> None:
             try:
                 _BRIDGE.get()
             except LookupError:
                 _BRIDGE.set(_TrioAsyncioBridge())
-            return await current_engine().run_episode(episode, workers=workers)
+            result = await _run_submission(current_engine(), episode, workers, submission)
+            _settle_episode(future, result)  # this thread runs the asyncio loop too
 
+        loop.run_trio_task(in_trio)
         try:
-            result: RunResult = await trio_asyncio.trio_as_aio(in_trio)()
-        except BaseExceptionGroup as group:
-            raise _unwrap(group) from None
-        return result
-
-
-def _unwrap(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
-        group = group.exceptions[0]  # type: ignore[assignment]
-    return group
+            value = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            submission.cancel()
+            await _wait_ignoring_cancellation(future)
+            if not future.cancelled():
+                future.exception()  # retrieved: the cancellation is what the caller gets
+            raise
+        return _episode_result(value)
 
 
 class _Submission:
@@ -335,6 +346,40 @@ class _Submission:
 
 
 _CANCELLED = object()
+
+
+async def _run_submission(engine: EpisodeEngine, episode: Episode, workers: int | None,
+                          submission: _Submission) -> outcome.Outcome[RunResult]:
+    """Run a submitted episode in the engine under the submission's cancel scope."""
+    result: outcome.Outcome[RunResult] | None = None
+    with trio.CancelScope() as scope:
+        submission.scope = scope
+        if submission.cancel_requested:
+            scope.cancel()
+        # acapture keeps even this scope's Cancelled, so the outcome is always set
+        result = await outcome.acapture(engine.run_episode, episode, workers=workers)
+    assert result is not None
+    return result
+
+
+def _settle_episode(future: asyncio.Future[Any], result: outcome.Outcome[RunResult]) -> None:
+    """On the asyncio loop: hand the episode's outcome to its waiting caller."""
+    if future.done():
+        return
+    if isinstance(result, outcome.Value):
+        future.set_result(result.value)
+    elif isinstance(result, outcome.Error) and isinstance(result.error, trio.Cancelled):
+        future.set_result(_CANCELLED)
+    elif isinstance(result, outcome.Error):
+        future.set_exception(result.error)
+
+
+def _episode_result(value: Any) -> RunResult:
+    if value is _CANCELLED:
+        # The trio run was shut down under the episode (its loop is closing).
+        raise asyncio.CancelledError("the wmo_trio host shut down")
+    result: RunResult = value
+    return result
 
 
 class LoopServingHost(Host):
@@ -435,12 +480,6 @@ class LoopServingHost(Host):
             if self._thread is not None:
                 self._thread.join(timeout=5)
 
-    def close(self) -> Awaitable[None]:
-        """Cancel the keeper: ends the trio run (mainly for tests)."""
-        assert self._keeper is not None
-        self._keeper.cancel()
-        return asyncio.shield(self._finished)
-
     # -- episodes -----------------------------------------------------------------------
 
     async def run_episode(self, episode: Episode, *, workers: int | None = None) -> RunResult:
@@ -466,11 +505,7 @@ class LoopServingHost(Host):
             if not future.cancelled():
                 future.exception()  # retrieved: the cancellation is what the caller gets
             raise
-        if value is _CANCELLED:
-            # The trio run was shut down under the episode (its loop is closing).
-            raise asyncio.CancelledError("the wmo_trio host shut down")
-        result: RunResult = value
-        return result
+        return _episode_result(value)
 
     def _spawn(self, episode: Episode, workers: int | None, future: asyncio.Future[Any],
                submission: _Submission) -> None:
@@ -479,27 +514,11 @@ class LoopServingHost(Host):
 
     async def _episode_task(self, episode: Episode, workers: int | None,
                             future: asyncio.Future[Any], submission: _Submission) -> None:
-        engine = current_engine()
         _EPISODE_LOOP.set(self._loop)  # this task's own context, copied into its worker
-        with trio.CancelScope() as scope:
-            submission.scope = scope
-            if submission.cancel_requested:
-                scope.cancel()
-            result = await outcome.acapture(engine.run_episode, episode, workers=workers)
-
-        def settle() -> None:
-            if future.done():
-                return
-            if isinstance(result, outcome.Value):
-                future.set_result(result.value)
-            elif isinstance(result.error, trio.Cancelled):
-                future.set_result(_CANCELLED)
-            else:
-                future.set_exception(result.error)
-
+        result = await _run_submission(current_engine(), episode, workers, submission)
         try:
-            self._loop.call_soon_threadsafe(settle)
-        except RuntimeError:
+            self._loop.call_soon_threadsafe(_settle_episode, future, result)
+        except RuntimeError:  # the loop is already closed
             pass
 
 
