@@ -8,7 +8,6 @@ fails before harbor starts a single container.
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -80,25 +79,19 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
 
     capabilities: ClassVar[AgentCapabilities] = AgentCapabilities(atif=True)
 
-    def __init__(
-        self,
-        logs_dir: Path,
-        model_name: str | None = None,
-        logger: logging.Logger | None = None,
-        mcp_servers: list[Any] | None = None,
-        skills_dir: str | None = None,
-        *,
-        harness: Any = None,
-        provider_config: Any = None,
-        harness_backend: str = "local",
-        e2b_template: str | None = None,
-        command_timeout_sec: int = MAX_COMMAND_TIMEOUT_SEC,
-        episode_timeout_sec: float = DEFAULT_EPISODE_TIMEOUT_S,
-        episode_workers: int = DEFAULT_EPISODE_WORKERS,
-        context_window: int | None = None,
-        extra_env: dict[str, str] | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, logs_dir: Path, model_name: str | None = None, *, harness: Any = None,
+                 provider_config: Any = None, harness_backend: str = "local",
+                 e2b_template: str | None = None,
+                 command_timeout_sec: int = MAX_COMMAND_TIMEOUT_SEC,
+                 episode_timeout_sec: float = DEFAULT_EPISODE_TIMEOUT_S,
+                 episode_workers: int = DEFAULT_EPISODE_WORKERS,
+                 context_window: int | None = None, extra_env: dict[str, str] | None = None,
+                 **harbor_kwargs: Any) -> None:
+        """Check every argument (a `ValueError` naming it) before harbor starts anything.
+
+        harbor's own arguments (`logger`, `mcp_servers`, `skills_dir`, and whatever later
+        releases add) go on to `BaseAgent` untouched.
+        """
         if extra_env:
             raise ValueError(
                 "extra_env is not supported: wmo_trio does not inject agent environment "
@@ -131,7 +124,7 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
             provider = build_provider(config)
         except ProviderConfigError as error:
             raise ValueError(f"provider_config: {error}") from None
-        super().__init__(logs_dir, model_name, logger, mcp_servers, skills_dir, **kwargs)
+        super().__init__(logs_dir, model_name, **harbor_kwargs)
         self._doc = doc
         self._provider: Provider = provider
         self._harness_backend = harness_backend
