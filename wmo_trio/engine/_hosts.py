@@ -39,11 +39,11 @@ log = logging.getLogger("wmo_trio.engine")
 HostMode = Literal["thread", "guest"]
 
 # Default for loops harbor owns: a dedicated thread. Measured side by side (`make bench`,
-# 2 cores): the thread host keeps harbor's loop responsive (1 ms heartbeat p99 47 ms at
-# 1,024 episodes against 336 ms for the guest run, 21 ms against 45 ms at 256) and costs
-# less per episode (1.0 ms against 1.6 ms, 5,000 tiny episodes), because a guest run does
-# all of trio's scheduling on harbor's own thread. The guest run starts large bursts
-# sooner (p99 0.6 s against 3.9 s for 1,024 at once) for the same reason: it spawns the
+# 2 cores): the thread host keeps harbor's loop responsive (1 ms heartbeat p99 62 ms at
+# 1,024 episodes against 378 ms for the guest run, 22 ms against 28 ms at 256) and costs
+# less per episode (0.95 ms against 1.57 ms, 5,000 tiny episodes), because a guest run
+# does all of trio's scheduling on harbor's own thread. The guest run starts large bursts
+# sooner (p99 0.6 s against 3.7 s for 1,024 at once) for the same reason: it spawns the
 # workers from the loop thread, which is what makes that loop late. WMO_TRIO_HOST=guest
 # selects it.
 DEFAULT_HOST_MODE: HostMode = "thread"
