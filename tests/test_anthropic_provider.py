@@ -16,6 +16,7 @@ from typing import Any
 import anthropic_server as api
 import pytest
 from anthropic_server import AnthropicServer
+from doubles import RecordingControl
 
 from wmo_trio.episode.environment import LocalDirEnvironment
 from wmo_trio.episode.runtime import EpisodeRuntime
@@ -137,18 +138,6 @@ def cache_breakpoints(value: Any, path: str = "") -> list[str]:
 
 def without_breakpoint(block: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in block.items() if key != "cache_control"}
-
-
-class RecordingControl(CallControl):
-    """A CallControl that remembers every wait it was asked for."""
-
-    def __init__(self, deadline: float | None = None) -> None:
-        super().__init__(deadline)
-        self.sleeps: list[float] = []
-
-    def sleep(self, seconds: float) -> bool:
-        self.sleeps.append(seconds)
-        return super().sleep(seconds)
 
 
 def interrupt_when(condition: Callable[[], bool], control: CallControl) -> threading.Thread:

@@ -10,14 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from doubles import Spy
 
 from wmo_trio.backends.runner import parse_tool_call
 from wmo_trio.episode import LocalDirEnvironment
 from wmo_trio.episode.code_runtime import CodeRuntime, tools_text
 from wmo_trio.harness import HarnessDoc, parse_harness
 from wmo_trio.models import ActionKind, RunResult, StopReason
-from wmo_trio.providers import CallControl, ProviderConfig, ProviderRequest, ProviderResponse
-from wmo_trio.providers.scripted import ScriptedProvider, load_script
 
 # The program the README shows: a text-protocol agent over the kit.
 AGENT = """
@@ -61,23 +60,6 @@ def code_doc(source: str, *, policy: str | None = None, skill: str | None = None
     for name, value in params.items():
         surfaces.append({"id": f"param:{name.replace('_', '-')}", "kind": "param", "content": str(value)})
     return parse_harness({"name": "code", "surfaces": surfaces})
-
-
-class Spy:
-    """A scripted provider that keeps every request it was sent."""
-
-    def __init__(self, script: list[dict[str, Any]], latency_s: float = 0.0) -> None:
-        self.inner = ScriptedProvider(ProviderConfig(kind="scripted", model="s"),
-                                      script=load_script(script), latency_s=latency_s)
-        self.config = self.inner.config
-        self.requests: list[ProviderRequest] = []
-
-    def complete(self, request: ProviderRequest, control: CallControl) -> ProviderResponse:
-        self.requests.append(request)
-        return self.inner.complete(request, control)
-
-    def close(self) -> None:
-        pass
 
 
 def run_code(doc: HarnessDoc, script: list[dict[str, Any]], workdir: Path,

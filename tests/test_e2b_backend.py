@@ -23,15 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from doubles import Spy, make_doc
 from e2b_fake import FakeE2B, Faults
-from test_code_runtime import AGENT, INSTRUCTION, SOLVE, Spy, code_doc, text_call
+from test_code_runtime import AGENT, INSTRUCTION, SOLVE, code_doc, text_call
 
 from wmo_trio.backends.e2b import RUNNER_SOURCE, E2BRuntime, E2BSettings
 from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
 from wmo_trio.episode.build import build_runtime, check_backend
 from wmo_trio.episode.code_runtime import CodeRuntime
 from wmo_trio.episode.runtime import ELIDED
-from wmo_trio.harness import HarnessDoc, load_harness, parse_harness
+from wmo_trio.harness import HarnessDoc, load_harness
 from wmo_trio.models import ActionKind, RunResult, StopReason
 from wmo_trio.providers import build_provider
 
@@ -60,20 +61,6 @@ def e2b(fake: FakeE2B, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeE2B]:
     fake.faults = Faults()
     leaked = [sid for sid in fake.alive() if sid not in before]
     assert leaked == [], f"sandboxes left alive: {leaked}"
-
-
-def loop_doc(**params: Any) -> HarnessDoc:
-    surfaces: list[dict[str, Any]] = [{"id": "prompt:core", "kind": "prompt", "content": "work"}]
-    for name, value in params.items():
-        if name == "policy":
-            surfaces.append({"id": "tool_policy:main", "kind": "tool_policy", "content": value})
-        elif name == "skill":
-            surfaces.append({"id": "skill:notes", "kind": "skill",
-                             "content": f"---\nname: notes\ndescription: d\n---\n{value}"})
-        else:
-            surfaces.append({"id": f"param:{name.replace('_', '-')}", "kind": "param",
-                             "content": str(value)})
-    return parse_harness({"name": "loop", "surfaces": surfaces})
 
 
 def run_on(backend: str, doc: HarnessDoc, provider: Any, workdir: Path, **kwargs: Any) -> RunResult:
@@ -161,7 +148,7 @@ LOOP_CASES: dict[str, tuple[dict[str, Any], list[dict[str, Any]], StopReason]] =
 def test_the_built_in_loop_in_a_sandbox_is_the_local_loop(e2b: FakeE2B, tmp_path: Path,
                                                           case: str) -> None:
     params, script, expected = LOOP_CASES[case]
-    doc = loop_doc(**params)
+    doc = make_doc(**params)
     window = 1024 if case == "context window" else None
     results, requests = {}, {}
     for backend in ("local", "e2b"):
@@ -364,7 +351,7 @@ def start_in_thread(runtime: Any, workdir: Path) -> tuple[threading.Thread, dict
 
 def test_abort_kills_the_sandbox_at_once(e2b: FakeE2B, tmp_path: Path) -> None:
     spy = Spy([reply(call("bash", command="echo 1")), {"text": "slow", "latency_s": 30}])
-    runtime = build_runtime(loop_doc(), spy, backend="e2b")
+    runtime = build_runtime(make_doc(), spy, backend="e2b")
     created = len(e2b.created)
     thread, out = start_in_thread(runtime, tmp_path)
     e2b.wait_for(lambda: len(spy.requests) == 2)  # the runner waits on a slow model call
@@ -397,7 +384,7 @@ def test_the_wall_clock_budget_ends_the_episode_and_kills_the_sandbox(e2b: FakeE
                                                                      tmp_path: Path) -> None:
     created = len(e2b.created)
     started = time.monotonic()
-    result = run_on("e2b", loop_doc(), Spy([{"text": "slow", "latency_s": 30}]), tmp_path,
+    result = run_on("e2b", make_doc(), Spy([{"text": "slow", "latency_s": 30}]), tmp_path,
                     episode_timeout_s=1.5)
     assert time.monotonic() - started < 6
     assert result.stop_reason is StopReason.BUDGET
@@ -408,7 +395,7 @@ def test_the_wall_clock_budget_ends_the_episode_and_kills_the_sandbox(e2b: FakeE
 
 def test_should_cancel_is_checked_before_each_call(e2b: FakeE2B, tmp_path: Path) -> None:
     spy = Spy([reply(call("bash", command="echo 1")), reply(call("bash", command="touch no"))])
-    result = run_on("e2b", loop_doc(), spy, tmp_path, should_cancel=lambda: len(spy.requests) >= 2)
+    result = run_on("e2b", make_doc(), spy, tmp_path, should_cancel=lambda: len(spy.requests) >= 2)
     assert result.stop_reason is StopReason.CANCELLED
     assert [s.action.name for s in result.steps] == ["bash"]
     assert not (tmp_path / "no").exists()
@@ -416,7 +403,7 @@ def test_should_cancel_is_checked_before_each_call(e2b: FakeE2B, tmp_path: Path)
 
 def test_close_kills_the_sandbox_and_is_idempotent(e2b: FakeE2B, tmp_path: Path) -> None:
     spy = Spy([{"text": "slow", "latency_s": 30}])
-    runtime = build_runtime(loop_doc(), spy, backend="e2b")
+    runtime = build_runtime(make_doc(), spy, backend="e2b")
     thread, out = start_in_thread(runtime, tmp_path)
     e2b.wait_for(lambda: len(spy.requests) == 1)
     runtime.close()
@@ -453,7 +440,7 @@ def test_check_backend_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) ->
 def test_build_runtime_chooses_the_runtime(monkeypatch: pytest.MonkeyPatch, backend: str, code: bool,
                                            expected: type) -> None:
     monkeypatch.setenv("E2B_API_KEY", "key")
-    doc = code_doc(AGENT) if code else loop_doc()
+    doc = code_doc(AGENT) if code else make_doc()
     runtime = build_runtime(doc, offline(), backend=backend,
                             e2b_template="mine" if backend == "e2b" else None,
                             transport_retries=2 if backend == "e2b" else None)

@@ -9,51 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from doubles import Spy, make_doc
 from processes import running
 
 from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
 from wmo_trio.episode.runtime import NUDGES
-from wmo_trio.harness import parse_harness
 from wmo_trio.models import Action, ActionKind, Observation, StopReason
 from wmo_trio.providers import (
     CallControl,
-    ProviderConfig,
     ProviderRequest,
     ProviderResponse,
     build_provider,
 )
-from wmo_trio.providers.scripted import ScriptedProvider, load_script
-
-
-def make_doc(**params: str | int) -> Any:
-    surfaces: list[dict[str, Any]] = [{"id": "prompt:core", "kind": "prompt", "content": "work"}]
-    for name, value in params.items():
-        if name == "policy":
-            surfaces.append({"id": "tool_policy:main", "kind": "tool_policy", "content": value})
-        elif name == "skill":
-            surfaces.append({"id": "skill:notes", "kind": "skill",
-                             "content": f"---\nname: notes\ndescription: d\n---\n{value}"})
-        else:
-            surfaces.append({"id": f"param:{name.replace('_', '-')}", "kind": "param",
-                             "content": str(value)})
-    return parse_harness({"name": "t", "surfaces": surfaces})
-
-
-class Spy:
-    """A scripted provider that keeps every request it was sent."""
-
-    def __init__(self, script: list[dict[str, Any]]) -> None:
-        self.inner = ScriptedProvider(ProviderConfig(kind="scripted", model="s"),
-                                      script=load_script(script))
-        self.config = self.inner.config
-        self.requests: list[ProviderRequest] = []
-
-    def complete(self, request: ProviderRequest, control: CallControl) -> ProviderResponse:
-        self.requests.append(request)
-        return self.inner.complete(request, control)
-
-    def close(self) -> None:
-        pass
 
 
 def bash(command: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import time
 from collections import deque
 
 import pytest
+from doubles import RecordingControl
 
 from wmo_trio.models import TokenUsage
 from wmo_trio.providers.base import (
@@ -43,16 +44,6 @@ class Flaky:
 
     def close(self) -> None:
         pass
-
-
-class RecordingControl(CallControl):
-    def __init__(self, deadline: float | None = None) -> None:
-        super().__init__(deadline)
-        self.sleeps: list[float] = []
-
-    def sleep(self, seconds: float) -> bool:
-        self.sleeps.append(seconds)
-        return super().sleep(seconds)
 
 
 def overloaded(usage: TokenUsage | None = None, retry_after: float | None = None) -> ProviderError:

@@ -1,0 +1,54 @@
+"""Test doubles shared by the episode, code-runtime, E2B, retry and provider tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wmo_trio.harness import HarnessDoc, parse_harness
+from wmo_trio.providers import CallControl, ProviderConfig, ProviderRequest, ProviderResponse
+from wmo_trio.providers.scripted import ScriptedProvider, load_script
+
+
+def make_doc(**params: Any) -> HarnessDoc:
+    """A one-prompt document; `policy=` sets tool_policy:main, `skill=` adds skill:notes,
+    and any other keyword sets the parameter of that name (`max_turns=3`)."""
+    surfaces: list[dict[str, Any]] = [{"id": "prompt:core", "kind": "prompt", "content": "work"}]
+    for name, value in params.items():
+        if name == "policy":
+            surfaces.append({"id": "tool_policy:main", "kind": "tool_policy", "content": value})
+        elif name == "skill":
+            surfaces.append({"id": "skill:notes", "kind": "skill",
+                             "content": f"---\nname: notes\ndescription: d\n---\n{value}"})
+        else:
+            surfaces.append({"id": f"param:{name.replace('_', '-')}", "kind": "param",
+                             "content": str(value)})
+    return parse_harness({"name": "t", "surfaces": surfaces})
+
+
+class Spy:
+    """A scripted provider that keeps every request it was sent."""
+
+    def __init__(self, script: list[dict[str, Any]], latency_s: float = 0.0) -> None:
+        self.inner = ScriptedProvider(ProviderConfig(kind="scripted", model="s"),
+                                      script=load_script(script), latency_s=latency_s)
+        self.config = self.inner.config
+        self.requests: list[ProviderRequest] = []
+
+    def complete(self, request: ProviderRequest, control: CallControl) -> ProviderResponse:
+        self.requests.append(request)
+        return self.inner.complete(request, control)
+
+    def close(self) -> None:
+        pass
+
+
+class RecordingControl(CallControl):
+    """A CallControl that remembers every wait it was asked for."""
+
+    def __init__(self, deadline: float | None = None) -> None:
+        super().__init__(deadline)
+        self.sleeps: list[float] = []
+
+    def sleep(self, seconds: float) -> bool:
+        self.sleeps.append(seconds)
+        return super().sleep(seconds)
