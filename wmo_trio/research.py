@@ -43,7 +43,7 @@ from wmo_trio.episode.tools import decode_output
 from wmo_trio.harness import HarnessDoc, load_harness, parse_harness
 from wmo_trio.models import RunResult
 from wmo_trio.providers import Provider, ProviderConfig, build_provider
-from wmo_trio.trace import trace_for, write_atomically
+from wmo_trio.trace import trace_for, trace_text, write_atomically
 
 __all__ = [
     "EpisodePool",
@@ -182,6 +182,9 @@ class _PoolEpisode:
         self._lock = threading.Lock()
         self.runtime: EpisodeRuntime | None = None
 
+    # stop() sets an event and aborts an EpisodeRuntime, which only sets flags.
+    stop_is_quick = True
+
     def run(self) -> RunResult:
         runtime = EpisodeRuntime(
             self.doc, self.provider, episode_timeout_s=self.spec.episode_timeout,
@@ -211,7 +214,7 @@ class _PoolEpisode:
             return
         log = self.runtime.log if self.runtime is not None else None
         trace = trace_for(self.spec.task_id, result, cancelled=cancelled, log=log)
-        write_atomically(Path(self.spec.trace_path), trace.model_dump_json(indent=2))
+        write_atomically(Path(self.spec.trace_path), trace_text(trace))
 
 
 class EpisodePool:

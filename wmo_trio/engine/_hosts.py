@@ -317,6 +317,7 @@ class TrioAsyncioHost(Host):
                 _BRIDGE.get()
             except LookupError:
                 _BRIDGE.set(_TrioAsyncioBridge())
+            _EPISODE_LOOP.set(loop)  # this task's own context, copied into its worker
             result = await _run_submission(current_engine(), episode, workers, submission)
             _settle_episode(future, result)  # this thread runs the asyncio loop too
 
