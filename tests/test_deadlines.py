@@ -38,3 +38,17 @@ def test_the_watcher_exits_once_only_cancelled_deadlines_remain() -> None:
     watch.cancel(handle)
     thread.join(timeout=10)  # the idle exit is 2 s after the last live deadline
     assert not thread.is_alive()
+
+
+def test_deadlines_cancelled_before_the_watcher_wakes_do_not_restart_it() -> None:
+    # Short episodes schedule and cancel their budget back to back; the watcher waking to
+    # an empty heap is not an idle period, and must not exit to be started again.
+    watch = DeadlineWatch()
+    watch.cancel(watch.schedule(time.monotonic() + 60, lambda: None))
+    first = watch._thread
+    for _ in range(20):
+        time.sleep(0.01)  # the watcher is idle, waiting for work
+        with watch._wakeup:  # it is notified, but runs only after both calls
+            watch.cancel(watch.schedule(time.monotonic() + 60, lambda: None))
+    time.sleep(0.05)
+    assert watch._thread is first and first is not None and first.is_alive()

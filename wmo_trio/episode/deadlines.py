@@ -61,10 +61,9 @@ class DeadlineWatch:
                 while self._heap and self._heap[0][2].cancelled:
                     heapq.heappop(self._heap)
                 if not self._heap:
-                    self._wakeup.wait(_IDLE_EXIT_S)
-                    while self._heap and self._heap[0][2].cancelled:
-                        heapq.heappop(self._heap)
-                    if not self._heap:
+                    # Exit only after a whole idle period: a deadline scheduled and
+                    # cancelled before this thread woke to it is not idleness.
+                    if not self._wakeup.wait(_IDLE_EXIT_S) and not self._heap:
                         self._thread = None
                         return
                     continue
