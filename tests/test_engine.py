@@ -45,6 +45,7 @@ class FakeEpisode:
 
     def run(self) -> RunResult:
         self._note("run")
+        self.run_thread = threading.current_thread()
         self.stopping.wait(self.duration)
         self.worker_returned_at = time.monotonic()
         if self.error is not None:
@@ -54,10 +55,12 @@ class FakeEpisode:
 
     def stop(self) -> None:
         self._note("stop")
+        self.stop_thread = threading.current_thread()
         self.stopping.set()
 
     def close(self) -> None:
         self._note("close")
+        self.close_thread = threading.current_thread()
         if self.on_close is not None:
             self.on_close()
 
@@ -84,6 +87,21 @@ async def test_a_cancelled_episode_is_stopped_waited_for_cleaned_up_then_cancell
     assert scope.cancelled_caught
     assert episode.events == ["run", "stop", "close", ("record", "Value", True)]
     assert episode.worker_returned_at is not None
+
+
+@pytest.mark.parametrize("quick", [False, True])
+async def test_stop_runs_on_the_trio_thread_only_when_the_episode_says_it_is_quick(
+    quick: bool,
+) -> None:
+    episode = FakeEpisode(duration=30)
+    episode.stop_is_quick = quick  # type: ignore[attr-defined]
+    with trio.move_on_after(0.2):
+        await EpisodeEngine().run_episode(episode)
+    assert episode.events == ["run", "stop", "close", ("record", "Value", True)]
+    on_trio_thread = episode.stop_thread is threading.current_thread()
+    assert on_trio_thread is quick and episode.stop_thread is not episode.run_thread
+    # close and the trace write run in the worker's own thread, after its run returned
+    assert episode.close_thread is episode.run_thread
 
 
 async def test_a_cancellation_during_cleanup_still_propagates() -> None:

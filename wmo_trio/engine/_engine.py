@@ -28,8 +28,14 @@ DEFAULT_EPISODE_WORKERS = 64
 
 class Episode(Protocol):
     """One episode as the engine drives it. The engine calls, in order: `run` in a worker
-    thread; `stop` (in another thread, at most once) if the caller is cancelled while `run`
-    is going; then `close` and `record`, both shielded from cancellation."""
+    thread; `stop` (at most once) if the caller is cancelled while `run` is going; then
+    `close` and `record`, both shielded from cancellation, in the worker's thread.
+
+    `stop` runs in a thread of its own, unless the episode has a true `stop_is_quick`
+    attribute: a `stop` that only sets flags and wakes threads (never does I/O or waits
+    for a lock held across I/O) is called on the trio thread, which saves a thread hop per
+    cancellation.
+    """
 
     def run(self) -> RunResult:
         """Run the episode to its end. Blocking; must return soon after `stop()`."""
@@ -111,71 +117,109 @@ class EpisodeEngine:
         """
         if workers is not None:
             self.ensure_workers(workers)
-        result, stopped = await self._run_in_worker(episode)
-        cancelled = stopped or _is_cancelled(result)
-        with trio.CancelScope(shield=True):
-            trace_error = await trio.to_thread.run_sync(
-                _finish, episode, result, cancelled, limiter=self._cleanup_limiter
-            )
-        # `to_thread` with abandon_on_cancel=False hands back the worker's value even when
-        # the caller was cancelled meanwhile; this checkpoint is where that cancellation
-        # is delivered instead of being lost.
+        finished = await self._run_in_worker(episode)
+        if isinstance(finished, trio.Cancelled):
+            # Cancelled while waiting for a token: the episode never ran, but it is closed
+            # and recorded all the same, on a thread that needs no token.
+            result: outcome.Outcome[RunResult] = outcome.Error(finished)
+            with trio.CancelScope(shield=True):
+                trace_error = await trio.to_thread.run_sync(
+                    _finish, episode, result, True, limiter=self._cleanup_limiter
+                )
+        else:
+            result, trace_error = finished
+        # The worker's value comes back even when the caller was cancelled meanwhile; this
+        # checkpoint is where that cancellation is delivered instead of being lost.
         try:
             await trio.lowlevel.checkpoint_if_cancelled()
         except trio.Cancelled:
             if trace_error is not None:  # cancelled during cleanup: log it, as after any cancel
                 log.warning("writing the trace of a stopped episode failed", exc_info=trace_error)
             raise
-        assert not _is_cancelled(result), "a cancelled worker implies a cancelled caller"
+        assert not isinstance(finished, trio.Cancelled), "a cancelled wait implies a cancelled caller"
         if trace_error is not None:
             raise trace_error
         return result.unwrap()
 
-    async def _run_in_worker(self, episode: Episode) -> tuple[outcome.Outcome[RunResult], bool]:
-        """The worker's outcome, and whether the caller's cancellation had to stop it."""
-        result: outcome.Outcome[RunResult] | None = None
-        stopped = False
+    async def _run_in_worker(
+        self, episode: Episode
+    ) -> tuple[outcome.Outcome[RunResult], Exception | None] | trio.Cancelled:
+        """Run, close and record the episode in one worker thread: its outcome and the
+        trace failure to raise; the cancellation that came before it got a token.
+
+        One thread does all three because after 256 simultaneous timeouts every thread hop
+        is paid 256 times over on two cores; close and the trace write still run under the
+        shield, since the token is taken before it.
+        """
+        state = _WorkerState()
         calls = EpisodeCalls()
 
         async def stop_when_cancelled() -> None:
-            nonlocal stopped
             try:
                 await trio.sleep_forever()
             except trio.Cancelled:
-                if result is None:
-                    stopped = True
+                if state.request_stop():
                     # stop() first: it marks the episode cancelled before its call in flight
                     # is interrupted, so the worker cannot take that failure for a reason to
                     # make one more model call. Then the engine's own backstop.
-                    with trio.CancelScope(shield=True):
-                        await trio.to_thread.run_sync(
-                            _stop, episode, limiter=self._cleanup_limiter
-                        )
+                    if getattr(episode, "stop_is_quick", False):
+                        _stop(episode)
+                    else:
+                        with trio.CancelScope(shield=True):
+                            await trio.to_thread.run_sync(
+                                _stop, episode, limiter=self._cleanup_limiter
+                            )
                     calls.interrupt_all()
                 # Swallowed on purpose: this task only observes. Re-raising it here would
                 # reach the caller wrapped in an exception group; the caller's own
                 # cancellation is re-delivered by the checkpoint in run_episode.
 
-        async def work() -> RunResult:
-            token = CURRENT_EPISODE_CALLS.set(calls)
-            try:
-                return await trio.to_thread.run_sync(
-                    episode.run, limiter=self.limiter, abandon_on_cancel=False
-                )
-            finally:
-                CURRENT_EPISODE_CALLS.reset(token)
+        def worker() -> tuple[outcome.Outcome[RunResult], Exception | None]:
+            result = outcome.capture(episode.run)
+            return result, _finish(episode, result, state.run_returned())
 
+        finished: tuple[outcome.Outcome[RunResult], Exception | None] | trio.Cancelled
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop_when_cancelled)
-            result = await outcome.acapture(work)
+            borrower = state
+            try:
+                await self.limiter.acquire_on_behalf_of(borrower)
+            except trio.Cancelled as cancelled:
+                finished = cancelled  # the watcher saw it too; the episode never runs
+            else:
+                token = CURRENT_EPISODE_CALLS.set(calls)
+                try:
+                    with trio.CancelScope(shield=True):
+                        finished = await trio.to_thread.run_sync(
+                            worker, limiter=self._cleanup_limiter, abandon_on_cancel=False
+                        )
+                finally:
+                    CURRENT_EPISODE_CALLS.reset(token)
+                    self.limiter.release_on_behalf_of(borrower)
             nursery.cancel_scope.cancel()
-        return result, stopped
+        return finished
 
 
-def _is_cancelled(result: outcome.Outcome[RunResult]) -> bool:
-    # Only possible when the caller was cancelled while waiting for a limiter token, before
-    # the worker started.
-    return isinstance(result, outcome.Error) and isinstance(result.error, trio.Cancelled)
+class _WorkerState:
+    """Whether the caller's cancellation reached the episode before its run returned: the
+    worker and the watcher agree on it under one lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._returned = False
+        self._stopping = False
+
+    def request_stop(self) -> bool:
+        """True when the run is still going, so it has to be stopped."""
+        with self._lock:
+            self._stopping = not self._returned
+            return self._stopping
+
+    def run_returned(self) -> bool:
+        """Mark the run returned; True when it had been asked to stop."""
+        with self._lock:
+            self._returned = True
+            return self._stopping
 
 
 def _stop(episode: Episode) -> None:

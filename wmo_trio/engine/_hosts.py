@@ -132,9 +132,9 @@ class HostInterrupted(Exception):
     """A host call was cancelled because its episode is stopping."""
 
 
-# The asyncio loop an episode's worker may call straight into: set by LoopServingHost for
-# each episode task and copied by trio into the worker thread. Unset under trio-asyncio,
-# where the asyncio loop runs inside trio's own thread.
+# The asyncio loop an episode's worker calls straight into: set by both hosts for each
+# episode task and copied by trio into the worker thread. Unset for an episode a trio
+# program runs on the engine itself, whose calls then go through the episode's trio task.
 _EPISODE_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
     "wmo_trio_episode_loop", default=None
 )
@@ -153,9 +153,10 @@ class HostCaller:
     the budget watcher uses it); either way the worker sees `HostInterrupted`, after the
     coroutine has run its own cancellation handling, or after a 10 s grace period.
 
-    When the host loop runs in another thread than trio (harbor's own CLI), the worker
-    submits straight to it: one thread hop each way, as cheap as the original bridge. Under
-    trio-asyncio the call runs inside the episode's trio task.
+    The worker submits straight to the host loop with `call_soon_threadsafe`: one thread
+    hop each way, as cheap as the original bridge (under trio-asyncio that loop's own
+    dispatch costs about twice asyncio's; the benchmark's bare round trip shows it). An
+    episode run on the engine with no host loop calls through its trio task instead.
     """
 
     def __init__(self) -> None:

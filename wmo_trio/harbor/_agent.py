@@ -210,6 +210,9 @@ class HarborEpisode:
         self._runtime: Runtime | None = None
         self._log: EpisodeLog | None = None
         self.task_id = str(agent.context_id or agent.session_id or "harbor-task")
+        # Aborting a local runtime only sets flags; aborting an E2B one kills its sandbox
+        # over the network, so the engine gives that stop a thread of its own.
+        self.stop_is_quick = agent._harness_backend == "local"
 
     def run(self) -> RunResult:
         agent = self._agent
