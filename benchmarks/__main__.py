@@ -93,6 +93,7 @@ def engine_rows(engine: dict[str, dict[str, Any]]) -> list[tuple[str, str, dict[
                                  ("batch_start_p99_ms", "first step p99, from the batch start",
                                   "ms"),
                                  ("wall_over_ideal", "wall time / ideal", "x"),
+                                 ("cpu_over_ideal", "process CPU time / ideal wall time", "x"),
                                  ("heartbeat_p99_ms", "host heartbeat lateness p99", "ms"),
                                  ("peak_threads", "peak threads", ""),
                                  ("peak_rss_mb", "peak RSS (MiB)", "")):
@@ -102,6 +103,8 @@ def engine_rows(engine: dict[str, dict[str, Any]]) -> list[tuple[str, str, dict[
                  "episodes)", "us", {i: r["overhead"]["per_episode_us"] for i, r in engine.items()}))
     rows.append(("tool-call round trip worker -> loop -> worker", "us",
                  {i: r["round_trip"]["per_call_us"] for i, r in engine.items()}))
+    rows.append(("same round trip, bare thread -> loop, no wmo_trio (the loop's own floor)", "us",
+                 {i: r["round_trip"]["bare_loop_per_call_us"] for i, r in engine.items()}))
     for index, case in enumerate(engine["baseline"]["cancel"]):
         what = f"{case['in_flight_s']:g} s {case['during']} in flight, {case['n']} episodes"
         for key, label in (("cancel_p50_ms", "cancel p50"), ("cancel_p99_ms", "cancel p99")):

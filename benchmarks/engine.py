@@ -48,12 +48,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
+# Set usage, so the scripted provider does not estimate it from the whole conversation at
+# every turn: that estimate costs as much as the rest of a step and is not what is measured.
+USAGE = {"input_tokens": 1000, "output_tokens": 20, "calls": 1}
+
+
 def script(tool_calls: int, model_latency: float = 0.0) -> ScriptedProvider:
     replies: list[dict[str, Any]] = [
         {"tool_calls": [{"name": "bash", "arguments": {"command": "step"}}],
-         "latency_s": model_latency} for _ in range(tool_calls)]
+         "latency_s": model_latency, "usage": USAGE} for _ in range(tool_calls)]
     replies.append({"tool_calls": [{"name": "submit", "arguments": {"answer": "ok"}}],
-                    "latency_s": 0.0})
+                    "latency_s": 0.0, "usage": USAGE})
     return ScriptedProvider(ProviderConfig(kind="scripted", model="bench"),
                             script=load_script(replies))
 
@@ -94,6 +99,8 @@ class BenchEpisode:
         self.lock = threading.Lock()
         self.submitted = 0.0
         self.worker_started = 0.0
+
+    stop_is_quick = True  # an event and EpisodeRuntime.abort(): flags only
 
     def _caller(self) -> Any:
         if self.impl == "baseline":
@@ -186,9 +193,9 @@ async def start_latency(impl: str, n: int, calls: int, latency: float) -> dict[s
 
     with Sampler() as sampler:
         beat = asyncio.ensure_future(sampler.heartbeat())
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         await asyncio.gather(*(trial(e) for e in episodes))
-        wall = time.perf_counter() - started
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         sampler._running = False
         await beat
     delays = [(e.worker_started - e.submitted) * 1000 for e in episodes]
@@ -200,6 +207,9 @@ async def start_latency(impl: str, n: int, calls: int, latency: float) -> dict[s
     return {"n": n, "start_p50_ms": percentile(delays, 50), "start_p99_ms": percentile(delays, 99),
             "batch_start_p99_ms": percentile(from_batch, 99),
             "wall_s": wall, "ideal_s": ideal, "wall_over_ideal": wall / ideal,
+            # CPU the process used (all threads) over the ideal wall time: near or above 1,
+            # the work itself, not waiting, sets the wall time on a GIL-bound interpreter.
+            "cpu_s": cpu, "cpu_over_ideal": cpu / ideal,
             "heartbeat_p99_ms": percentile(sampler.lateness_ms, 99),
             "peak_threads": sampler.peak_threads, "peak_rss_mb": sampler.peak_rss_mb}
 
@@ -236,7 +246,30 @@ class RoundTrips(BenchEpisode):
 async def round_trip(impl: str, count: int) -> dict[str, Any]:
     episode = RoundTrips(impl, asyncio.get_running_loop(), count)
     await submitter(impl)(episode, 4)
-    return {"calls": count, "per_call_us": episode.per_call_us}
+    return {"calls": count, "per_call_us": episode.per_call_us,
+            "bare_loop_per_call_us": await bare_round_trip(count)}
+
+
+async def bare_round_trip(count: int) -> float:
+    """The same round trip with no episode and no wmo_trio: a plain thread blocking on
+    `asyncio.run_coroutine_threadsafe` into the running loop. Under trio-asyncio this is
+    the bridge's own cost, the floor for any design that keeps harbor's loop inside trio."""
+    loop = asyncio.get_running_loop()
+    per_call: list[float] = []
+    done = asyncio.Event()
+
+    def worker() -> None:
+        started = time.perf_counter()
+        for _ in range(count):
+            asyncio.run_coroutine_threadsafe(host_exec(0.0), loop).result()
+        per_call.append((time.perf_counter() - started) / count * 1e6)
+        loop.call_soon_threadsafe(done.set)
+
+    thread = threading.Thread(target=worker, name="bare-round-trip")
+    thread.start()
+    await done.wait()
+    thread.join()
+    return per_call[0]
 
 
 async def cancellation(impl: str, n: int, long_s: float, during: str,
@@ -246,6 +279,8 @@ async def cancellation(impl: str, n: int, long_s: float, during: str,
     submit = submitter(impl)
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
+        for i in range(n):  # harbor creates each trial's logs directory before the agent runs
+            (root / str(i)).mkdir()
         episodes = [
             BenchEpisode(impl, script(1, long_s if during == "model" else 0.0),
                          long_s if during == "command" else 0.0, root / str(i), loop)

@@ -26,8 +26,9 @@ def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
         for size in engine["start"]:
             assert size["start_p99_ms"] >= size["start_p50_ms"] >= 0
             assert size["wall_over_ideal"] > 0.9 and size["peak_threads"] > size["n"]
+            assert size["cpu_s"] > 0
         assert engine["overhead"]["per_episode_us"] > 0
-        assert engine["round_trip"]["per_call_us"] > 0
+        assert engine["round_trip"]["per_call_us"] > 0 < engine["round_trip"]["bare_loop_per_call_us"]
         for case in engine["cancel"] + engine["cancel_by_n"]:
             assert case["timed_out"] == case["n"] and case["traces"] == case["n"], (impl, case)
         assert isinstance(engine["threads_left_after_idle"], int)
@@ -37,6 +38,6 @@ def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
     assert results["local_environment"]
     table = (tmp_path / "results.md").read_text()
     assert "| scenario | baseline (asyncio) |" in table and "cancel p99" in table
-    assert "Real harbor job" in table
+    assert "Real harbor job" in table and "process CPU time / ideal wall time" in table
     for plot in ("start_latency.png", "cancel_latency.png"):
         assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
