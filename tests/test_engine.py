@@ -181,6 +181,29 @@ async def test_episodes_run_concurrently_up_to_the_limit() -> None:
             nursery.start_soon(engine.run_episode, Meeting())
 
 
+async def test_warmed_workers_are_the_threads_a_burst_of_episodes_runs_on() -> None:
+    # trio's thread cache is process-wide: idle threads of earlier tests count as warm.
+    engine = EpisodeEngine(workers=2)
+    await engine.warm_workers(12)
+    warmed = set(threading.enumerate())
+    assert engine.limiter.total_tokens == 12
+
+    class Meeting(FakeEpisode):  # all 12 run at once, so each needs a thread of its own
+        barrier = threading.Barrier(12)
+
+        def run(self) -> RunResult:
+            self.barrier.wait(timeout=10)
+            return super().run()
+
+    episodes = [Meeting() for _ in range(12)]
+    async with trio.open_nursery() as nursery:
+        for episode in episodes:
+            nursery.start_soon(engine.run_episode, episode)
+    assert {e.run_thread for e in episodes} <= warmed  # no thread was created for them
+    await engine.warm_workers(12)  # still fresh: starts nothing
+    assert set(threading.enumerate()) <= warmed
+
+
 # -- hosts: an asyncio driver shaped like harbor's trials ---------------------------------
 
 
@@ -210,6 +233,27 @@ def test_timed_out_episodes_are_stopped_and_waited_for(mode: str) -> None:
             assert episode.events == ["run", "stop", "close", ("record", "Value", True)]
             assert episode.worker_returned_at is not None
             assert episode.worker_returned_at <= returned_at
+
+
+@pytest.mark.parametrize("mode", ["thread", "guest"])
+def test_prepare_starts_the_workers_before_the_burst(mode: str) -> None:
+    async def main() -> set[threading.Thread]:
+        host = LoopServingHost.for_loop(asyncio.get_running_loop(), mode)  # type: ignore[arg-type]
+        await host.prepare(16)
+        warmed = set(threading.enumerate())
+
+        class Meeting(FakeEpisode):  # all 16 run at once, so each needs a thread of its own
+            barrier = threading.Barrier(16)
+
+            def run(self) -> RunResult:
+                self.barrier.wait(timeout=10)
+                return super().run()
+
+        episodes = [Meeting() for _ in range(16)]
+        await asyncio.gather(*(host.run_episode(e, workers=16) for e in episodes))
+        return {e.run_thread for e in episodes} - warmed
+
+    assert asyncio.run(main()) == set()
 
 
 @pytest.mark.parametrize("mode", ["thread", "guest"])
@@ -286,12 +330,14 @@ def test_the_trio_owned_host_stops_waits_and_unwraps() -> None:
     # trio-asyncio replaces asyncio's loop policy process-wide once imported, so this host
     # is exercised in its own interpreter.
     out = _python("""
-        import asyncio, json, time
+        import asyncio, json, threading, time
         import wmo_trio.engine as engine
         from test_engine import FakeEpisode
 
         async def main():
             host = engine.host_for_running_loop()
+            await host.prepare(64)
+            warmed = threading.active_count()
             episodes = [FakeEpisode(duration=0.05 if i % 2 else 30) for i in range(64)]
             async def trial(episode):
                 try:
@@ -311,12 +357,12 @@ def test_the_trio_owned_host_stops_waits_and_unwraps() -> None:
             except asyncio.TimeoutError:
                 pass
             return {"host": host.name, "results": results, "error": unwrapped,
-                    "early": early.events}
+                    "early": early.events, "warmed": warmed}
 
         print(json.dumps(engine.run(main)))
     """)
     report = json.loads(out)
-    assert report["host"] == "trio-asyncio"
+    assert report["host"] == "trio-asyncio" and report["warmed"] > 64
     assert report["error"] == "KeyError('boom')"
     assert report["early"][-1][0] == "record" and report["early"][-1][2] is True
     for kind, events, worker_first in report["results"]:

@@ -295,10 +295,13 @@ class EpisodePool:
 @asynccontextmanager
 async def open_episode_pool(limit: int = 64) -> AsyncIterator[EpisodePool]:
     """A pool of at most `limit` concurrent episodes for this block; cancelling the
-    enclosing scope cancels its episodes with the engine's guarantees."""
+    enclosing scope cancels its episodes with the engine's guarantees. Opening it starts
+    the engine's worker threads for `limit` episodes, so a fan-out starts at once."""
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be a positive integer, got {limit!r}")
-    yield EpisodePool(limit)
+    pool = EpisodePool(limit)
+    await current_engine().warm_workers(limit)
+    yield pool
 
 
 async def run_harbor_job(config: Any) -> Any:

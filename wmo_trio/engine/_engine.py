@@ -25,6 +25,9 @@ log = logging.getLogger("wmo_trio.engine")
 
 DEFAULT_EPISODE_WORKERS = 64
 
+# trio's idle worker threads exit after 10 s; a warm-up younger than this is still standing.
+_WARM_FRESH_S = 5.0
+
 
 class Episode(Protocol):
     """One episode as the engine drives it. The engine calls, in order: `run` in a worker
@@ -102,11 +105,31 @@ class EpisodeEngine:
         # Cleanup must never queue behind episodes for a token: after 256 timeouts every
         # abort and close has to run at once, not 64 at a time.
         self._cleanup_limiter = trio.CapacityLimiter(math.inf)
+        self._warm_lock = trio.Lock()
+        self._warmed = 0
+        self._warmed_at = -math.inf
 
     def ensure_workers(self, workers: int) -> None:
         """Grow the limiter to at least `workers` tokens (waiters are woken at once)."""
         if workers > self.limiter.total_tokens:
             self.limiter.total_tokens = workers
+
+    async def warm_workers(self, workers: int) -> None:
+        """Grow the limiter to `workers` and start that many worker threads now, idle in
+        trio's thread cache, so a burst of episodes finds its threads instead of creating
+        them one by one on the trio thread inside `run()` (the whole start latency of a
+        cold burst: 64 episodes waited 17 ms at p50, 256 waited 39 ms).
+
+        Meant for a setup step just before the burst (harbor's `BaseAgent.setup`): idle
+        threads exit after 10 s. Concurrent calls share one warm-up.
+        """
+        self.ensure_workers(workers)
+        async with self._warm_lock:
+            fresh = trio.current_time() - self._warmed_at < _WARM_FRESH_S
+            if fresh and self._warmed >= workers:
+                return
+            await _start_idle_threads(workers - self.limiter.borrowed_tokens)
+            self._warmed, self._warmed_at = workers, trio.current_time()
 
     async def run_episode(self, episode: Episode, *, workers: int | None = None) -> RunResult:
         """Run `episode` to its end and return its result.
@@ -198,6 +221,45 @@ class EpisodeEngine:
                     self.limiter.release_on_behalf_of(borrower)
             nursery.cancel_scope.cancel()
         return finished
+
+
+async def _start_idle_threads(count: int) -> None:
+    """Have `count` threads running at once in trio's thread cache, then let them go idle
+    there. Each job waits for all the others, so none is reused for the next job and the
+    cache ends up with `count` distinct threads."""
+    if count <= 0:
+        return
+    barrier = threading.Barrier(count)
+    token = trio.lowlevel.current_trio_token()
+    all_started = trio.Event()
+    lock = threading.Lock()
+    waiting = count
+
+    def job() -> None:
+        try:
+            barrier.wait(timeout=10)
+        except threading.BrokenBarrierError:
+            pass
+
+    def deliver(_: outcome.Outcome[None]) -> None:  # in the worker thread
+        nonlocal waiting
+        with lock:
+            waiting -= 1
+            last = waiting == 0
+        if last:
+            try:
+                token.run_sync_soon(all_started.set)
+            except trio.RunFinishedError:
+                pass
+
+    for started in range(count):
+        try:
+            trio.lowlevel.start_thread_soon(job, deliver)
+        except RuntimeError:  # the system refused one more thread
+            barrier.abort()
+            log.warning("started %d of %d worker threads ahead of time", started, count)
+            return
+    await all_started.wait()
 
 
 class _WorkerState:

@@ -297,6 +297,11 @@ class Host(ABC):
         raised. The episode's own exception is raised as itself.
         """
 
+    @abstractmethod
+    async def prepare(self, workers: int) -> None:
+        """Get ready for up to `workers` episodes starting at once: grow the engine's
+        limiter and start its worker threads now (`EpisodeEngine.warm_workers`)."""
+
 
 class TrioAsyncioHost(Host):
     """trio owns the process; asyncio runs inside `trio_asyncio.open_loop()`.
@@ -332,6 +337,13 @@ class TrioAsyncioHost(Host):
                 future.exception()  # retrieved: the cancellation is what the caller gets
             raise
         return _episode_result(value)
+
+    async def prepare(self, workers: int) -> None:
+        async def warm() -> None:
+            await current_engine().warm_workers(workers)
+
+        loop: Any = asyncio.get_running_loop()
+        await loop.trio_as_future(warm)
 
 
 class _Submission:
@@ -508,6 +520,38 @@ class LoopServingHost(Host):
                 future.exception()  # retrieved: the cancellation is what the caller gets
             raise
         return _episode_result(value)
+
+    async def prepare(self, workers: int) -> None:
+        await asyncio.shield(self._ready)
+        if self._token is None or self._finished.done():
+            raise RuntimeError("the wmo_trio engine's trio run is not running")
+        done: asyncio.Future[None] = self._loop.create_future()
+
+        async def warm() -> None:
+            result = await outcome.acapture(current_engine().warm_workers, workers)
+
+            def settle() -> None:  # on the host loop
+                if done.done():
+                    return
+                if isinstance(result, outcome.Error):
+                    error = result.error
+                    if isinstance(error, trio.Cancelled):
+                        error = RuntimeError("the wmo_trio engine's trio run shut down")
+                    done.set_exception(error)
+                else:
+                    done.set_result(None)
+
+            try:
+                self._loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the loop is already closed
+                pass
+
+        def spawn() -> None:
+            assert self._nursery is not None
+            self._nursery.start_soon(warm)
+
+        self._token.run_sync_soon(spawn)
+        await done
 
     def _spawn(self, episode: Episode, workers: int | None, future: asyncio.Future[Any],
                submission: _Submission) -> None:

@@ -8,6 +8,7 @@ fails before harbor starts a single container.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,8 @@ from wmo_trio.harness import HarnessDoc, HarnessError, load_harness, parse_harne
 from wmo_trio.models import RunResult
 from wmo_trio.providers import Provider, ProviderConfigError, build_provider, parse_provider_config
 from wmo_trio.trace import TraceWriter, TrajectoryInfo, trace_for
+
+log = logging.getLogger("wmo_trio.harbor")
 
 AGENT_NAME = "wmo-harness"
 
@@ -148,7 +151,13 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         return self._doc
 
     async def setup(self, environment: BaseEnvironment) -> None:
-        """Nothing to install: the episode runs host-side."""
+        """Nothing to install: the episode runs host-side. Start the engine's worker
+        threads now, so trials that start together do not each create one in `run()`."""
+        try:
+            await host_for_running_loop().prepare(self._episode_workers)
+        except Exception:
+            log.warning("starting worker threads ahead of time failed; each episode will "
+                        "start its own", exc_info=True)
 
     async def run(self, instruction: str, environment: BaseEnvironment,
                   context: AgentContext) -> None:
