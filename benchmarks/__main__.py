@@ -88,7 +88,8 @@ def engine_rows(engine: dict[str, dict[str, Any]]) -> list[tuple[str, str, dict[
     rows: list[tuple[str, str, dict[str, float]]] = []
     sizes = [s["n"] for s in engine["baseline"]["start"]]
     for index, n in enumerate(sizes):
-        for key, label, unit in (("start_p50_ms", "start latency p50", "ms"),
+        for key, label, unit in (("setup_ms", "setup before the burst (thread warm-up)", "ms"),
+                                 ("start_p50_ms", "start latency p50", "ms"),
                                  ("start_p99_ms", "start latency p99", "ms"),
                                  ("batch_start_p99_ms", "first step p99, from the batch start",
                                   "ms"),
