@@ -70,6 +70,19 @@ class FakeEpisode:
             raise self.record_error
 
 
+def meeting(n: int) -> list[FakeEpisode]:
+    """`n` episodes whose workers only get past their start when all `n` run at once, so
+    each has a thread of its own."""
+    barrier = threading.Barrier(n, timeout=10)
+
+    class Meeting(FakeEpisode):
+        def run(self) -> RunResult:
+            barrier.wait()
+            return super().run()
+
+    return [Meeting() for _ in range(n)]
+
+
 # -- the engine on its own ----------------------------------------------------------------
 
 
@@ -168,17 +181,10 @@ async def test_the_limiter_grows_and_never_shrinks() -> None:
 
 
 async def test_episodes_run_concurrently_up_to_the_limit() -> None:
-    barrier = threading.Barrier(24, timeout=10)
-
-    class Meeting(FakeEpisode):
-        def run(self) -> RunResult:
-            barrier.wait()  # only passes if all 24 workers run at once
-            return super().run()
-
     engine = EpisodeEngine(workers=24)
-    async with trio.open_nursery() as nursery:
-        for _ in range(24):
-            nursery.start_soon(engine.run_episode, Meeting())
+    async with trio.open_nursery() as nursery:  # hangs, then fails, unless all 24 run at once
+        for episode in meeting(24):
+            nursery.start_soon(engine.run_episode, episode)
 
 
 async def test_warmed_workers_are_the_threads_a_burst_of_episodes_runs_on() -> None:
@@ -188,14 +194,7 @@ async def test_warmed_workers_are_the_threads_a_burst_of_episodes_runs_on() -> N
     warmed = set(threading.enumerate())
     assert engine.limiter.total_tokens == 12
 
-    class Meeting(FakeEpisode):  # all 12 run at once, so each needs a thread of its own
-        barrier = threading.Barrier(12)
-
-        def run(self) -> RunResult:
-            self.barrier.wait(timeout=10)
-            return super().run()
-
-    episodes = [Meeting() for _ in range(12)]
+    episodes = meeting(12)
     async with trio.open_nursery() as nursery:
         for episode in episodes:
             nursery.start_soon(engine.run_episode, episode)
@@ -241,15 +240,7 @@ def test_prepare_starts_the_workers_before_the_burst(mode: str) -> None:
         host = LoopServingHost.for_loop(asyncio.get_running_loop(), mode)  # type: ignore[arg-type]
         await host.prepare(16)
         warmed = set(threading.enumerate())
-
-        class Meeting(FakeEpisode):  # all 16 run at once, so each needs a thread of its own
-            barrier = threading.Barrier(16)
-
-            def run(self) -> RunResult:
-                self.barrier.wait(timeout=10)
-                return super().run()
-
-        episodes = [Meeting() for _ in range(16)]
+        episodes = meeting(16)
         await asyncio.gather(*(host.run_episode(e, workers=16) for e in episodes))
         return {e.run_thread for e in episodes} - warmed
 
