@@ -1,10 +1,12 @@
 """How harbor's asyncio code reaches the trio engine, and how worker threads reach back.
 
-Two hosting situations, one small interface (`Host.run_episode`, awaited from asyncio):
+Two hosting situations, one small interface (`Host.run_episode` and `Host.prepare`,
+awaited from asyncio):
 
 - **trio owns the loop** (`TrioAsyncioHost`): a trio program opened
-  `trio_asyncio.open_loop()` and runs harbor inside it. asyncio code enters trio through
-  `trio_as_aio`, which maps an asyncio cancellation onto the trio task and waits for it.
+  `trio_asyncio.open_loop()` and runs harbor inside it. asyncio code starts the episode's
+  trio task on that loop, and an asyncio cancellation cancels the task's own scope, then
+  waits for it.
 - **harbor owns a plain asyncio loop** (its own CLI): trio-asyncio cannot bridge there
   (python-trio/trio-asyncio#133), so one trio run per asyncio loop is started lazily and
   serves every agent on that loop (`LoopServingHost`), either in a dedicated thread or as
@@ -12,7 +14,8 @@ Two hosting situations, one small interface (`Host.run_episode`, awaited from as
   `loop.call_soon_threadsafe` the other.
 
 Worker threads call asyncio coroutine functions (harbor's `environment.exec`) through
-`HostCaller`, which runs them inside the episode's trio task, so they are cancelled with it.
+`HostCaller`, which submits them straight to the host loop; the engine cancels them when
+their episode is cancelled.
 """
 
 from __future__ import annotations
@@ -39,13 +42,14 @@ log = logging.getLogger("wmo_trio.engine")
 HostMode = Literal["thread", "guest"]
 
 # Default for loops harbor owns: a dedicated thread. Measured side by side (`make bench`,
-# 2 cores): the thread host keeps harbor's loop responsive (1 ms heartbeat p99 62 ms at
-# 1,024 episodes against 378 ms for the guest run, 22 ms against 28 ms at 256) and costs
-# less per episode (0.95 ms against 1.57 ms, 5,000 tiny episodes), because a guest run
-# does all of trio's scheduling on harbor's own thread. The guest run starts large bursts
-# sooner (p99 0.6 s against 3.7 s for 1,024 at once) for the same reason: it spawns the
-# workers from the loop thread, which is what makes that loop late. WMO_TRIO_HOST=guest
-# selects it.
+# 2 cores, worker threads started in setup): the thread host costs less per episode
+# (575 us against 806 us over 5,000 tiny episodes), cancels sooner (p99 151 ms against
+# 178 ms for 256 at once) and starts bursts sooner (p99 48 ms against 96 ms at 256, 197 ms
+# against 551 ms at 1,024), because a guest run does all of trio's scheduling on harbor's
+# own thread, between harbor's callbacks. At harbor's usual concurrency the two keep the
+# loop equally responsive (1 ms heartbeat p99 3.1 ms against 2.3 ms at 64, 22 ms against
+# 16 ms at 256); at 1,024 both are late (367 ms and 220 ms), because the loop thread waits
+# for the GIL behind the workers. WMO_TRIO_HOST=guest selects the guest run.
 DEFAULT_HOST_MODE: HostMode = "thread"
 
 _ENGINE: trio.lowlevel.RunVar[EpisodeEngine] = trio.lowlevel.RunVar("wmo_trio_engine")
