@@ -113,6 +113,10 @@ def engine_rows(engine: dict[str, dict[str, Any]]) -> list[tuple[str, str, dict[
                          {i: r["cancel"][index][key] for i, r in engine.items()}))
         rows.append((f"traces on disk, {what}", "",
                      {i: r["cancel"][index]["traces"] for i, r in engine.items()}))
+    bridge = engine["baseline"]["cancel_bridge_only"]
+    for key, label in (("cancel_p50_ms", "cancel p50"), ("cancel_p99_ms", "cancel p99")):
+        rows.append((f"{label}, nothing in flight and no trace (the bridge alone), {bridge['n']} "
+                     "episodes", "ms", {i: r["cancel_bridge_only"][key] for i, r in engine.items()}))
     rows.append(("threads left after idle timeout", "",
                  {i: r["threads_left_after_idle"] for i, r in engine.items()}))
     return rows

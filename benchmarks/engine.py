@@ -29,7 +29,7 @@ from benchmarks import baseline
 from wmo_trio.episode.environment import CommandResult, ShellEnvironment
 from wmo_trio.episode.runtime import EpisodeRuntime
 from wmo_trio.harness import parse_harness
-from wmo_trio.models import RunResult
+from wmo_trio.models import RunResult, StopReason
 from wmo_trio.providers import ProviderConfig
 from wmo_trio.providers.scripted import ScriptedProvider, load_script
 from wmo_trio.trace import TraceWriter, trace_for
@@ -317,6 +317,46 @@ async def cancellation(impl: str, n: int, long_s: float, during: str,
             "traces": traces}
 
 
+class BridgeOnly:
+    """An episode that only waits to be stopped and records nothing: its cancellation
+    costs exactly the bridge's own work (host, engine, threads), none of an episode's."""
+
+    stop_is_quick = True
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+
+    def run(self) -> RunResult:
+        self.stopped.wait()
+        return RunResult(task_id="bridge", steps=[], stop_reason=StopReason.CANCELLED, turns=0)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def close(self) -> None:
+        pass
+
+    def record(self, result: outcome.Outcome[RunResult], cancelled: bool) -> None:
+        pass
+
+
+async def cancel_bridge_only(impl: str, n: int, trial_timeout: float) -> dict[str, Any]:
+    """n episodes with nothing in flight and no trace, timed out at once."""
+    submit = submitter(impl)
+
+    async def trial() -> float:
+        deadline = time.perf_counter() + trial_timeout
+        try:
+            await asyncio.wait_for(submit(BridgeOnly(), n), trial_timeout)
+        except TimeoutError:
+            return (time.perf_counter() - deadline) * 1000
+        return float("nan")
+
+    delays = [d for d in await asyncio.gather(*(trial() for _ in range(n))) if d == d]
+    return {"n": n, "timed_out": len(delays), "cancel_p50_ms": percentile(delays, 50),
+            "cancel_p99_ms": percentile(delays, 99)}
+
+
 async def scenarios(impl: str, quick: bool) -> dict[str, Any]:
     sizes = [16, 64] if quick else [64, 256, 1024]
     results: dict[str, Any] = {"impl": impl, "start": []}
@@ -327,6 +367,9 @@ async def scenarios(impl: str, quick: bool) -> dict[str, Any]:
     long_s = 2.0 if quick else 30.0
     results["cancel"] = [await cancellation(impl, 32 if quick else 256, long_s, during, 0.5)
                          for during in ("command", "model")]
+    # The pool the baseline stops episodes with must have room beside the running ones:
+    # it is sized by the largest start scenario, which ran first.
+    results["cancel_bridge_only"] = await cancel_bridge_only(impl, 32 if quick else 256, 0.5)
     # the same at every size, for the cancellation plot
     results["cancel_by_n"] = [await cancellation(impl, n, long_s, during, 0.5)
                               for n in sizes for during in ("command", "model")]

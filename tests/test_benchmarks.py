@@ -29,6 +29,8 @@ def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
             assert size["cpu_s"] > 0
         assert engine["overhead"]["per_episode_us"] > 0
         assert engine["round_trip"]["per_call_us"] > 0 < engine["round_trip"]["bare_loop_per_call_us"]
+        bridge = engine["cancel_bridge_only"]
+        assert bridge["timed_out"] == bridge["n"] and bridge["cancel_p99_ms"] >= 0, impl
         for case in engine["cancel"] + engine["cancel_by_n"]:
             assert case["timed_out"] == case["n"] and case["traces"] == case["n"], (impl, case)
         assert isinstance(engine["threads_left_after_idle"], int)
