@@ -43,13 +43,13 @@ HostMode = Literal["thread", "guest"]
 
 # Default for loops harbor owns: a dedicated thread. Measured side by side (`make bench`,
 # 2 cores, worker threads started in setup): the thread host costs less per episode
-# (575 us against 806 us over 5,000 tiny episodes), cancels sooner (p99 151 ms against
-# 178 ms for 256 at once) and starts bursts sooner (p99 48 ms against 96 ms at 256, 197 ms
-# against 551 ms at 1,024), because a guest run does all of trio's scheduling on harbor's
+# (514 us against 775 us over 5,000 tiny episodes), cancels sooner (p99 144 ms against
+# 156 ms for 256 at once) and starts bursts sooner (p99 37 ms against 115 ms at 256, 241 ms
+# against 631 ms at 1,024), because a guest run does all of trio's scheduling on harbor's
 # own thread, between harbor's callbacks. At harbor's usual concurrency the two keep the
-# loop equally responsive (1 ms heartbeat p99 3.1 ms against 2.3 ms at 64, 22 ms against
-# 16 ms at 256); at 1,024 both are late (367 ms and 220 ms), because the loop thread waits
-# for the GIL behind the workers. WMO_TRIO_HOST=guest selects the guest run.
+# loop about equally responsive (1 ms heartbeat p99 2.6 ms against 2.2 ms at 64, 21 ms
+# against 25 ms at 256); at 1,024 both are late (323 ms and 511 ms), because the loop
+# thread waits for the GIL behind the workers. WMO_TRIO_HOST=guest selects the guest run.
 DEFAULT_HOST_MODE: HostMode = "thread"
 
 _ENGINE: trio.lowlevel.RunVar[EpisodeEngine] = trio.lowlevel.RunVar("wmo_trio_engine")
