@@ -204,6 +204,10 @@ class EpisodeEngine:
         finished: tuple[outcome.Outcome[RunResult], Exception | None] | trio.Cancelled
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop_when_cancelled)
+            # The episode's token of the process-wide limiter is taken here, not by
+            # to_thread, so that waiting for it stays cancellable while the worker (run,
+            # close and the trace write) runs under the shield. abandon_on_cancel=False
+            # says the same to trio: this thread is always waited for.
             borrower = state
             try:
                 await self.limiter.acquire_on_behalf_of(borrower)
