@@ -102,8 +102,9 @@ class EpisodeEngine:
 
     def __init__(self, workers: int = DEFAULT_EPISODE_WORKERS) -> None:
         self.limiter = trio.CapacityLimiter(workers)
-        # Cleanup must never queue behind episodes for a token: after 256 timeouts every
-        # abort and close has to run at once, not 64 at a time.
+        # For threads that must not queue for an episode token: a worker whose token is
+        # already held, a stop, the cleanup of an episode that never got one. After 256
+        # timeouts every stop and cleanup has to run at once, not 64 at a time.
         self._cleanup_limiter = trio.CapacityLimiter(math.inf)
         self._warm_lock = trio.Lock()
         self._warmed = 0

@@ -329,18 +329,10 @@ class TrioAsyncioHost(Host):
                 _BRIDGE.set(_TrioAsyncioBridge())
             _EPISODE_LOOP.set(loop)  # this task's own context, copied into its worker
             result = await _run_submission(current_engine(), episode, workers, submission)
-            _settle_episode(future, result)  # this thread runs the asyncio loop too
+            _settle_outcome(future, result)  # this thread runs the asyncio loop too
 
         loop.run_trio_task(in_trio)
-        try:
-            value = await asyncio.shield(future)
-        except asyncio.CancelledError:
-            submission.cancel()
-            await _wait_ignoring_cancellation(future)
-            if not future.cancelled():
-                future.exception()  # retrieved: the cancellation is what the caller gets
-            raise
-        return _episode_result(value)
+        return await _await_episode(future, submission.cancel)
 
     async def prepare(self, workers: int) -> None:
         async def warm() -> None:
@@ -380,8 +372,9 @@ async def _run_submission(engine: EpisodeEngine, episode: Episode, workers: int 
     return result
 
 
-def _settle_episode(future: asyncio.Future[Any], result: outcome.Outcome[RunResult]) -> None:
-    """On the asyncio loop: hand the episode's outcome to its waiting caller."""
+def _settle_outcome(future: asyncio.Future[Any], result: outcome.Outcome[Any]) -> None:
+    """On the asyncio loop: hand a trio task's outcome (an episode's) to its waiting
+    caller; a trio cancellation becomes `_CANCELLED`."""
     if future.done():
         return
     if isinstance(result, outcome.Value):
@@ -390,6 +383,24 @@ def _settle_episode(future: asyncio.Future[Any], result: outcome.Outcome[RunResu
         future.set_result(_CANCELLED)
     elif isinstance(result, outcome.Error):
         future.set_exception(result.error)
+
+
+async def _await_episode(future: asyncio.Future[Any], cancel: Callable[[], None], *,
+                         cancelled: bool = False) -> RunResult:
+    """Wait for an episode submitted to trio. If the waiting task is cancelled (or
+    `cancelled` says it already was), `cancel` it on the trio side, wait until it has
+    finished, trace included, and then raise the cancellation."""
+    try:
+        if cancelled:
+            raise asyncio.CancelledError
+        value = await asyncio.shield(future)
+    except asyncio.CancelledError:
+        cancel()
+        await _wait_ignoring_cancellation(future)
+        if not future.cancelled():
+            future.exception()  # retrieved: the cancellation is what the caller gets
+        raise
+    return _episode_result(value)
 
 
 def _episode_result(value: Any) -> RunResult:
@@ -454,8 +465,8 @@ class LoopServingHost(Host):
         try:
             trio.run(self._main)
         finally:
-            self._settle_from_trio(self._ready, None)
-            self._settle_from_trio(self._finished, None)
+            self._settle_from_trio(self._ready, outcome.Value(None))
+            self._settle_from_trio(self._finished, outcome.Value(None))
 
     def _guest_done(self, result: outcome.Outcome[None]) -> None:
         for future in (self._ready, self._finished):
@@ -469,17 +480,14 @@ class LoopServingHost(Host):
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self._token = trio.lowlevel.current_trio_token()
-            self._settle_from_trio(self._ready, None)
+            self._settle_from_trio(self._ready, outcome.Value(None))
             await self._stop.wait()
             nursery.cancel_scope.cancel()
 
-    def _settle_from_trio(self, future: asyncio.Future[Any], value: Any) -> None:
-        def settle() -> None:
-            if not future.done():
-                future.set_result(value)
-
+    def _settle_from_trio(self, future: asyncio.Future[Any], result: outcome.Outcome[Any]) -> None:
+        """From the trio side (either mode): settle `future` on the loop with `result`."""
         try:
-            self._loop.call_soon_threadsafe(settle)
+            self._loop.call_soon_threadsafe(_settle_outcome, future, result)
         except RuntimeError:  # the loop is already closed
             pass
 
@@ -512,50 +520,28 @@ class LoopServingHost(Host):
         if self._token is None or self._finished.done():
             raise RuntimeError("the wmo_trio engine's trio run is not running")
         future: asyncio.Future[Any] = self._loop.create_future()
-        self._token.run_sync_soon(self._spawn, episode, workers, future, submission)
-        try:
-            if submission.cancel_requested:
-                raise asyncio.CancelledError
-            value = await asyncio.shield(future)
-        except asyncio.CancelledError:
-            _soon(self._token, submission.cancel)
-            await _wait_ignoring_cancellation(future)
-            if not future.cancelled():
-                future.exception()  # retrieved: the cancellation is what the caller gets
-            raise
-        return _episode_result(value)
+        token = self._token
+        token.run_sync_soon(self._spawn, episode, workers, future, submission)
+        return await _await_episode(future, lambda: _soon(token, submission.cancel),
+                                    cancelled=submission.cancel_requested)
 
     async def prepare(self, workers: int) -> None:
         await asyncio.shield(self._ready)
         if self._token is None or self._finished.done():
             raise RuntimeError("the wmo_trio engine's trio run is not running")
-        done: asyncio.Future[None] = self._loop.create_future()
+        done: asyncio.Future[Any] = self._loop.create_future()
 
         async def warm() -> None:
             result = await outcome.acapture(current_engine().warm_workers, workers)
-
-            def settle() -> None:  # on the host loop
-                if done.done():
-                    return
-                if isinstance(result, outcome.Error):
-                    error = result.error
-                    if isinstance(error, trio.Cancelled):
-                        error = RuntimeError("the wmo_trio engine's trio run shut down")
-                    done.set_exception(error)
-                else:
-                    done.set_result(None)
-
-            try:
-                self._loop.call_soon_threadsafe(settle)
-            except RuntimeError:  # the loop is already closed
-                pass
+            self._settle_from_trio(done, result)
 
         def spawn() -> None:
             assert self._nursery is not None
             self._nursery.start_soon(warm)
 
         self._token.run_sync_soon(spawn)
-        await done
+        if await done is _CANCELLED:
+            raise RuntimeError("the wmo_trio engine's trio run shut down")
 
     def _spawn(self, episode: Episode, workers: int | None, future: asyncio.Future[Any],
                submission: _Submission) -> None:
@@ -566,10 +552,7 @@ class LoopServingHost(Host):
                             future: asyncio.Future[Any], submission: _Submission) -> None:
         _EPISODE_LOOP.set(self._loop)  # this task's own context, copied into its worker
         result = await _run_submission(current_engine(), episode, workers, submission)
-        try:
-            self._loop.call_soon_threadsafe(_settle_episode, future, result)
-        except RuntimeError:  # the loop is already closed
-            pass
+        self._settle_from_trio(future, result)
 
 
 async def _wait_ignoring_cancellation(future: asyncio.Future[Any]) -> None:
