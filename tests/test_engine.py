@@ -18,7 +18,8 @@ import outcome
 import pytest
 import trio
 
-from wmo_trio.engine import EpisodeEngine, HostCaller, HostInterrupted, LoopServingHost
+from wmo_trio.control import CallControl, CallInterrupted
+from wmo_trio.engine import EpisodeEngine, LoopServingHost
 from wmo_trio.models import RunResult, StopReason
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 class FakeEpisode:
     """An episode whose worker waits `duration` seconds or until stopped, and which
     records what the engine did to it, in order."""
+
+    stop_is_quick = False
 
     def __init__(self, duration: float = 0.0, *, error: BaseException | None = None,
                  on_close: Any = None, record_error: Exception | None = None) -> None:
@@ -43,7 +46,8 @@ class FakeEpisode:
         with self.lock:
             self.events.append(event)
 
-    def run(self) -> RunResult:
+    def run(self, control: CallControl) -> RunResult:
+        self.control = control
         self._note("run")
         self.run_thread = threading.current_thread()
         self.stopping.wait(self.duration)
@@ -76,9 +80,9 @@ def meeting(n: int) -> list[FakeEpisode]:
     barrier = threading.Barrier(n, timeout=10)
 
     class Meeting(FakeEpisode):
-        def run(self) -> RunResult:
+        def run(self, control: CallControl) -> RunResult:
             barrier.wait()
-            return super().run()
+            return super().run(control)
 
     return [Meeting() for _ in range(n)]
 
@@ -107,7 +111,7 @@ async def test_stop_runs_on_the_trio_thread_only_when_the_episode_says_it_is_qui
     quick: bool,
 ) -> None:
     episode = FakeEpisode(duration=30)
-    episode.stop_is_quick = quick  # type: ignore[attr-defined]
+    episode.stop_is_quick = quick
     with trio.move_on_after(0.2):
         await EpisodeEngine().run_episode(episode)
     assert episode.events == ["run", "stop", "close", ("record", "Value", True)]
@@ -234,6 +238,55 @@ def test_timed_out_episodes_are_stopped_and_waited_for(mode: str) -> None:
             assert episode.worker_returned_at <= returned_at
 
 
+class _CancelRightAfterTheEngineSettles(asyncio.SelectorEventLoop):
+    """A loop that, once `armed`, cancels `victim` in the same callback as the next one the
+    engine's thread hands it: the caller's cancellation then arrives just as the episode's
+    outcome reaches the loop, before the waiting task has seen it."""
+
+    armed = threading.Event()
+    victim: asyncio.Task[Any] | None = None
+
+    def call_soon_threadsafe(self, callback: Any, *args: Any, context: Any = None) -> Any:
+        if threading.current_thread().name == "wmo-trio-engine" and self.armed.is_set():
+            self.armed.clear()
+            victim = self.victim
+            assert victim is not None
+
+            def then_cancel(*args: Any) -> None:
+                callback(*args)
+                victim.cancel()
+
+            return super().call_soon_threadsafe(then_cancel, *args, context=context)
+        return super().call_soon_threadsafe(callback, *args, context=context)
+
+
+def test_a_lost_trace_is_logged_when_the_cancellation_races_its_error(caplog: Any) -> None:
+    # issue 15.1: the episode finished on its own and its trace write failed; the caller's
+    # cancellation arrived just as that error reached the loop. The caller gets its
+    # cancellation, and the lost trace is logged, not dropped.
+    loop_type = _CancelRightAfterTheEngineSettles
+
+    class FailingTrace(FakeEpisode):
+        def record(self, result: outcome.Outcome[RunResult], cancelled: bool) -> None:
+            loop_type.armed.set()
+            super().record(result, cancelled)
+
+    episode = FailingTrace(record_error=OSError("disk full"))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        host = LoopServingHost.for_loop(loop, "thread")
+        task = asyncio.create_task(host.run_episode(episode))
+        loop_type.victim = task
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main(), loop_factory=loop_type)
+    assert episode.events == ["run", "close", ("record", "Value", False)]
+    lost = [r for r in caplog.records if r.getMessage() == "writing the trace of a stopped episode failed"]
+    assert len(lost) == 1 and isinstance(lost[0].exc_info[1], OSError)  # type: ignore[index]
+
+
 @pytest.mark.parametrize("mode", ["thread", "guest"])
 def test_prepare_starts_the_workers_before_the_burst(mode: str) -> None:
     async def main() -> set[threading.Thread]:
@@ -279,14 +332,13 @@ def test_host_calls_reach_asyncio_and_are_cancelled_with_their_episode(mode: str
             raise
 
     class Calling(FakeEpisode):
-        def run(self) -> RunResult:
-            caller = HostCaller()
-            seen.append(caller.call(slow_call, 0.01))
+        def run(self, control: CallControl) -> RunResult:
+            seen.append(control.run_host(slow_call, 0.01))
             try:
-                caller.call(slow_call, 30)
-            except HostInterrupted:
-                seen.append("worker saw HostInterrupted")
-            return super().run()
+                control.run_host(slow_call, 30)
+            except CallInterrupted:
+                seen.append("worker saw CallInterrupted")
+            return super().run(control)
 
     async def main() -> None:
         host = LoopServingHost.for_loop(asyncio.get_running_loop(), mode)  # type: ignore[arg-type]
@@ -294,7 +346,7 @@ def test_host_calls_reach_asyncio_and_are_cancelled_with_their_episode(mode: str
             await asyncio.wait_for(host.run_episode(Calling()), 0.3)
 
     asyncio.run(main())
-    assert seen == ["finished", "asyncio side cancelled", "worker saw HostInterrupted"]
+    assert seen == ["finished", "asyncio side cancelled", "worker saw CallInterrupted"]
 
 
 def _python(code: str) -> str:

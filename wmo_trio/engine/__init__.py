@@ -1,44 +1,32 @@
 """The trio episode engine and the hosts that connect it to harbor's asyncio code.
 
 - `EpisodeEngine` runs episodes (see `Episode`) in worker threads under one capacity
-  limiter per trio run, with shielded cleanup and exact cancellation.
-- `host_for_running_loop()` picks how an asyncio caller reaches the engine: through
-  trio-asyncio when trio owns the loop, else through a trio run started for that loop.
-- `HostCaller` is how a worker thread calls an asyncio coroutine function (harbor's
-  `environment.exec`) on the host loop, cancelled together with its episode.
+  limiter per trio run, with shielded cleanup and exact cancellation; `current_engine()`
+  is the current run's.
+- `host_for_running_loop()` picks the `Host` through which asyncio code on the running
+  loop reaches the engine, and through which episodes call back into that loop:
+  `TrioAsyncioHost` when trio owns the loop, else a `LoopServingHost` (a trio run started
+  for that loop).
 - `run_asyncio` / `run` run an asyncio main (such as a harbor `Job`) with trio owning the
-  loop: the design wmo_trio is built around.
+  loop, the design wmo_trio is built around; `call_asyncio` calls asyncio from trio there.
+
+An episode's worker thread waits only through its `wmo_trio.control.CallControl`.
 """
 
-from __future__ import annotations
-
-from collections.abc import Awaitable, Callable
-from typing import Any
-
-import trio
-
-from wmo_trio.engine._engine import DEFAULT_EPISODE_WORKERS, Episode, EpisodeEngine
-from wmo_trio.engine._hosts import (
-    DEFAULT_HOST_MODE,
-    Host,
-    HostCaller,
-    HostInterrupted,
-    LoopServingHost,
-    TrioAsyncioHost,
-    call_asyncio,
-    current_engine,
-    default_host_mode,
-    host_for_running_loop,
-)
+from wmo_trio.engine._engine import DEFAULT_EPISODE_WORKERS, Episode, EpisodeEngine, Finished
+from wmo_trio.engine._host import DEFAULT_HOST_MODE, Host, HostMode, current_engine, default_host_mode
+from wmo_trio.engine._loop_host import LoopServingHost
+from wmo_trio.engine._running_loop import host_for_running_loop
+from wmo_trio.engine._trio_asyncio import TrioAsyncioHost, call_asyncio, run, run_asyncio
 
 __all__ = [
     "DEFAULT_EPISODE_WORKERS",
     "DEFAULT_HOST_MODE",
     "Episode",
     "EpisodeEngine",
+    "Finished",
     "Host",
-    "HostCaller",
-    "HostInterrupted",
+    "HostMode",
     "LoopServingHost",
     "TrioAsyncioHost",
     "call_asyncio",
@@ -48,25 +36,3 @@ __all__ = [
     "run",
     "run_asyncio",
 ]
-
-async def run_asyncio[T](afn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """From trio: run an asyncio coroutine function, trio owning the loop.
-
-    Uses the trio-asyncio loop already open in this task's context, or opens one for the
-    call. Cancelling the calling trio scope cancels the asyncio side and waits for it.
-    """
-    import trio_asyncio
-
-    result: T
-    if trio_asyncio.current_loop.get() is not None:
-        result = await trio_asyncio.aio_as_trio(afn)(*args)
-    else:
-        async with trio_asyncio.open_loop():
-            result = await trio_asyncio.aio_as_trio(afn)(*args)
-    return result
-
-
-def run[T](afn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """Like `asyncio.run(afn(*args))`, but trio owns the process and asyncio runs inside
-    it (trio-asyncio). The synchronous entry for running a harbor `Job` on the trio host."""
-    return trio.run(run_asyncio, afn, *args)

@@ -2,23 +2,25 @@
 
 An episode's blocking runtime runs in a worker thread under one `trio.CapacityLimiter`.
 The engine's job is the exact behaviour around that thread: when the caller is cancelled,
-the episode is told to stop and its worker is waited for (a harness must never keep
-running against an environment harbor is about to verify); cleanup and the trace write run
-under a shield; the caller's cancellation then propagates, and is never lost even when it
-arrives as the worker returns.
+the episode is told to stop and its calls in flight are cancelled, its worker is waited
+for (a harness must never keep running against an environment harbor is about to verify),
+close and the trace write run under a shield, and only then does the caller's
+cancellation propagate; it is never lost, even when it arrives as the worker returns.
 """
 
 from __future__ import annotations
 
-import contextvars
+import asyncio
 import logging
 import math
 import threading
+from dataclasses import dataclass
 from typing import Protocol
 
 import outcome
 import trio
 
+from wmo_trio.control import CallControl
 from wmo_trio.models import RunResult
 
 log = logging.getLogger("wmo_trio.engine")
@@ -27,6 +29,7 @@ DEFAULT_EPISODE_WORKERS = 64
 
 # trio's idle worker threads exit after 10 s; a warm-up younger than this is still standing.
 _WARM_FRESH_S = 5.0
+TRACE_LOST = "writing the trace of a stopped episode failed"
 
 
 class Episode(Protocol):
@@ -34,19 +37,21 @@ class Episode(Protocol):
     thread; `stop` (at most once) if the caller is cancelled while `run` is going; then
     `close` and `record`, both shielded from cancellation, in the worker's thread.
 
-    `stop` runs in a thread of its own, unless the episode has a true `stop_is_quick`
-    attribute: a `stop` that only sets flags and wakes threads (never does I/O or waits
-    for a lock held across I/O) is called on the trio thread, which saves a thread hop per
-    cancellation.
+    `stop_is_quick` says that `stop` only sets flags and wakes threads (never does I/O or
+    waits for a lock held across I/O): the engine then calls it on the trio thread, which
+    saves a thread hop per cancellation; otherwise it gets a thread of its own.
     """
 
-    def run(self) -> RunResult:
-        """Run the episode to its end. Blocking; must return soon after `stop()`."""
+    stop_is_quick: bool
+
+    def run(self, control: CallControl) -> RunResult:
+        """Run the episode to its end; every wait goes through `control`. Blocking; must
+        return soon after `stop()` and after `control` is interrupted."""
         ...
 
     def stop(self) -> None:
-        """Ask `run` to return as soon as it can (cooperative cancel, abort the runtime,
-        cancel the environment call in flight)."""
+        """Ask `run` to return as soon as it can (cooperative cancel, abort the runtime).
+        The engine interrupts the episode's `control` right after."""
         ...
 
     def close(self) -> None:
@@ -59,38 +64,26 @@ class Episode(Protocol):
         ...
 
 
-class Interruptible(Protocol):
-    def interrupt(self) -> None: ...
+@dataclass(frozen=True)
+class Finished:
+    """How an episode ended, for whoever waits for it: its outcome, and the failure to
+    write the trace of a healthy episode (which the caller gets instead of the result)."""
 
+    result: outcome.Outcome[RunResult]
+    trace_error: Exception | None = None
 
-class EpisodeCalls:
-    """The host callers an episode's worker created, so that the engine can cancel their
-    calls in flight itself when the episode is cancelled, whatever `Episode.stop` does."""
+    def unwrap(self) -> RunResult:
+        """For a caller that was not cancelled: the result, or the exception to raise."""
+        if self.trace_error is not None:
+            raise self.trace_error
+        return self.result.unwrap()
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._callers: list[Interruptible] = []
-        self._interrupted = False
-
-    def add(self, caller: Interruptible) -> None:
-        with self._lock:
-            self._callers.append(caller)
-            interrupted = self._interrupted
-        if interrupted:
-            caller.interrupt()
-
-    def interrupt_all(self) -> None:
-        with self._lock:
-            self._interrupted = True
-            callers = list(self._callers)
-        for caller in callers:
-            caller.interrupt()
-
-
-# Set around an episode's worker; trio copies the context into the worker thread.
-CURRENT_EPISODE_CALLS: contextvars.ContextVar[EpisodeCalls | None] = contextvars.ContextVar(
-    "wmo_trio_episode_calls", default=None
-)
+    def drop(self) -> None:
+        """For a caller that gets its cancellation instead: nothing it drops is lost
+        silently. The episode's own exception is in its trace already; a trace that could
+        not be written is logged."""
+        if self.trace_error is not None:
+            log.warning(TRACE_LOST, exc_info=self.trace_error)
 
 
 class EpisodeEngine:
@@ -117,9 +110,8 @@ class EpisodeEngine:
 
     async def warm_workers(self, workers: int) -> None:
         """Grow the limiter to `workers` and start that many worker threads now, idle in
-        trio's thread cache, so a burst of episodes finds its threads instead of creating
-        them one by one on the trio thread inside `run()` (the whole start latency of a
-        cold burst: 64 episodes waited 17 ms at p50, 256 waited 39 ms).
+        trio's thread cache, so that a burst of episodes finds its threads instead of
+        creating them one by one on the trio thread (`make bench`, "start latency").
 
         Meant for a setup step just before the burst (harbor's `BaseAgent.setup`): idle
         threads exit after 10 s. Concurrent calls share one warm-up.
@@ -139,44 +131,28 @@ class EpisodeEngine:
         thread waited for, closed and recorded under a shield, and then `trio.Cancelled`
         propagates. An exception from the episode reaches the caller as itself.
         """
-        if workers is not None:
-            self.ensure_workers(workers)
-        finished = await self._run_in_worker(episode)
-        if isinstance(finished, trio.Cancelled):
-            # Cancelled while waiting for a token: the episode never ran, but it is closed
-            # and recorded all the same, on a thread that needs no token.
-            result: outcome.Outcome[RunResult] = outcome.Error(finished)
-            with trio.CancelScope(shield=True):
-                trace_error = await trio.to_thread.run_sync(
-                    _finish, episode, result, True, limiter=self._cleanup_limiter
-                )
-        else:
-            result, trace_error = finished
-        # The worker's value comes back even when the caller was cancelled meanwhile; this
-        # checkpoint is where that cancellation is delivered instead of being lost.
+        finished = await self.finish_episode(episode, workers=workers)
+        # The worker's outcome comes back even when the caller was cancelled meanwhile;
+        # this checkpoint is where that cancellation is delivered instead of being lost.
         try:
             await trio.lowlevel.checkpoint_if_cancelled()
         except trio.Cancelled:
-            if trace_error is not None:  # cancelled during cleanup: log it, as after any cancel
-                log.warning("writing the trace of a stopped episode failed", exc_info=trace_error)
+            finished.drop()
             raise
-        assert not isinstance(finished, trio.Cancelled), "a cancelled wait implies a cancelled caller"
-        if trace_error is not None:
-            raise trace_error
-        return result.unwrap()
+        return finished.unwrap()
 
-    async def _run_in_worker(
-        self, episode: Episode
-    ) -> tuple[outcome.Outcome[RunResult], Exception | None] | trio.Cancelled:
-        """Run, close and record the episode in one worker thread: its outcome and the
-        trace failure to raise; the cancellation that came before it got a token.
+    async def finish_episode(self, episode: Episode, *, workers: int | None = None,
+                             host_loop: asyncio.AbstractEventLoop | None = None) -> Finished:
+        """Run `episode` to its end, whatever happens to the caller meanwhile, and say how
+        it ended. Never raises: a cancellation of the caller stops the episode (and is
+        still pending when this returns), and the episode's exception is in the result.
 
-        One thread does all three because after 256 simultaneous timeouts every thread hop
-        is paid 256 times over on two cores; close and the trace write still run under the
-        shield, since the token is taken before it.
+        `host_loop` is the asyncio loop the episode's `control.run_host` calls go to.
         """
+        if workers is not None:
+            self.ensure_workers(workers)
         state = _WorkerState()
-        calls = EpisodeCalls()
+        control = CallControl(host_loop=host_loop)
 
         async def stop_when_cancelled() -> None:
             try:
@@ -186,45 +162,53 @@ class EpisodeEngine:
                     # stop() first: it marks the episode cancelled before its call in flight
                     # is interrupted, so the worker cannot take that failure for a reason to
                     # make one more model call. Then the engine's own backstop.
-                    if getattr(episode, "stop_is_quick", False):
+                    if episode.stop_is_quick:
                         _stop(episode)
                     else:
                         with trio.CancelScope(shield=True):
                             await trio.to_thread.run_sync(
                                 _stop, episode, limiter=self._cleanup_limiter
                             )
-                    calls.interrupt_all()
+                    control.interrupt()
                 # Swallowed on purpose: this task only observes. Re-raising it here would
                 # reach the caller wrapped in an exception group; the caller's own
-                # cancellation is re-delivered by the checkpoint in run_episode.
+                # cancellation is still pending for its next checkpoint.
 
-        def worker() -> tuple[outcome.Outcome[RunResult], Exception | None]:
-            result = outcome.capture(episode.run)
-            return result, _finish(episode, result, state.run_returned())
+        def worker() -> Finished:
+            result = outcome.capture(episode.run, control)
+            return Finished(result, _finish(episode, result, state.run_returned()))
 
-        finished: tuple[outcome.Outcome[RunResult], Exception | None] | trio.Cancelled
+        finished: Finished | None = None
+        never_ran: outcome.Error | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop_when_cancelled)
             # The episode's token of the process-wide limiter is taken here, not by
             # to_thread, so that waiting for it stays cancellable while the worker (run,
             # close and the trace write) runs under the shield. abandon_on_cancel=False
             # says the same to trio: this thread is always waited for.
-            borrower = state
             try:
-                await self.limiter.acquire_on_behalf_of(borrower)
+                await self.limiter.acquire_on_behalf_of(state)
             except trio.Cancelled as cancelled:
-                finished = cancelled  # the watcher saw it too; the episode never runs
+                state.run_returned()  # there is no run to stop
+                never_ran = outcome.Error(cancelled)
             else:
-                token = CURRENT_EPISODE_CALLS.set(calls)
                 try:
                     with trio.CancelScope(shield=True):
                         finished = await trio.to_thread.run_sync(
                             worker, limiter=self._cleanup_limiter, abandon_on_cancel=False
                         )
                 finally:
-                    CURRENT_EPISODE_CALLS.reset(token)
-                    self.limiter.release_on_behalf_of(borrower)
+                    self.limiter.release_on_behalf_of(state)
             nursery.cancel_scope.cancel()
+        if never_ran is not None:
+            # Cancelled while waiting for a token: the episode never runs, but it is closed
+            # and recorded all the same, on a thread that needs no token.
+            with trio.CancelScope(shield=True):
+                trace_error = await trio.to_thread.run_sync(
+                    _finish, episode, never_ran, True, limiter=self._cleanup_limiter
+                )
+            finished = Finished(never_ran, trace_error)
+        assert finished is not None
         return finished
 
 
@@ -307,5 +291,5 @@ def _finish(episode: Episode, result: outcome.Outcome[RunResult], cancelled: boo
     except Exception as error:
         if not cancelled and isinstance(result, outcome.Value):
             return error
-        log.warning("writing the trace of a stopped episode failed", exc_info=True)
+        log.warning(TRACE_LOST, exc_info=True)
     return None
