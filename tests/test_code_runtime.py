@@ -1,4 +1,4 @@
-"""`code:runtime` documents on the local backend: `CodeRuntime` and the kit, in-process."""
+"""`code:runtime` documents on the local backend: `EpisodeRuntime` runs the program and its kit in-process."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from doubles import Spy
 
-from wmo_trio.backends.runner import parse_tool_call
-from wmo_trio.episode import LocalDirEnvironment
-from wmo_trio.episode.code_runtime import CodeRuntime, tools_text
+from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
+from wmo_trio.episode.portable import parse_tool_call
+from wmo_trio.episode.services import tools_text
 from wmo_trio.harness import HarnessDoc, parse_harness
 from wmo_trio.models import ActionKind, RunResult, StopReason
 
@@ -65,7 +65,7 @@ def code_doc(source: str, *, policy: str | None = None, skill: str | None = None
 def run_code(doc: HarnessDoc, script: list[dict[str, Any]], workdir: Path,
              **kwargs: Any) -> tuple[RunResult, Spy]:
     provider = Spy(script)
-    runtime = CodeRuntime(doc, provider, **kwargs)
+    runtime = EpisodeRuntime(doc, provider, **kwargs)
     result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=30))
     return result, provider
 
@@ -279,7 +279,7 @@ def test_should_cancel_stops_the_program_at_its_next_kit_call(tmp_path: Path) ->
         return "finished"
     """
     doc = code_doc(source)
-    runtime = CodeRuntime(doc, Spy([{"text": "x"}]), should_cancel=lambda: len(env_calls) >= 1)
+    runtime = EpisodeRuntime(doc, Spy([{"text": "x"}]), should_cancel=lambda: len(env_calls) >= 1)
     environment = LocalDirEnvironment(tmp_path, command_timeout_sec=30)
     original = environment.execute
 
@@ -302,7 +302,7 @@ def test_abort_interrupts_a_model_call_in_flight(tmp_path: Path) -> None:
         return "never"
     """
     provider = Spy([{"text": "x"}], latency_s=30)
-    runtime = CodeRuntime(code_doc(source), provider)
+    runtime = EpisodeRuntime(code_doc(source), provider)
     threading.Timer(0.2, runtime.abort).start()
     started = time.monotonic()
     result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path, command_timeout_sec=30))
@@ -326,17 +326,13 @@ def test_the_wall_clock_budget_interrupts_the_program(tmp_path: Path) -> None:
         "episode stopped: its wall-clock budget of 0.7 s ran out")
 
 
-def test_a_code_runtime_runs_once_and_needs_code(tmp_path: Path) -> None:
-    runtime = CodeRuntime(code_doc("def run(kit):\n    return 'a'\n"), Spy([{"text": "x"}]))
+def test_a_code_runtime_runs_once(tmp_path: Path) -> None:
+    runtime = EpisodeRuntime(code_doc("def run(kit):\n    return 'a'\n"), Spy([{"text": "x"}]))
     runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path))
     with pytest.raises(RuntimeError, match="single episode"):
         runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path))
     runtime.close()
     runtime.close()
-    no_code = parse_harness({"name": "n", "surfaces": [{"id": "prompt:core", "kind": "prompt",
-                                                         "content": "p"}]})
-    with pytest.raises(ValueError, match="no code:runtime surface"):
-        CodeRuntime(no_code, Spy([{"text": "x"}]))
 
 
 # -- parse_tool_call ----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 from wmo_trio.episode.deadlines import DeadlineWatch
 
@@ -52,3 +53,21 @@ def test_deadlines_cancelled_before_the_watcher_wakes_do_not_restart_it() -> Non
             watch.cancel(watch.schedule(time.monotonic() + 60, lambda: None))
     time.sleep(0.05)
     assert watch._thread is first and first is not None and first.is_alive()
+
+
+def test_a_raising_callback_is_logged_and_later_deadlines_still_fire(caplog: Any) -> None:
+    # issue 15.2: one callback that raises (an environment whose interrupt() cannot reach
+    # its sandbox) used to kill the watcher, and no deadline fired again in the process.
+    watch = DeadlineWatch()
+
+    def unreachable() -> None:
+        raise ConnectionError("the sandbox cannot be reached")
+
+    watch.schedule(time.monotonic(), unreachable)
+    later = threading.Event()
+    watch.schedule(time.monotonic() + 0.05, later.set)
+    assert later.wait(10)
+    assert "a deadline's callback raised" in caplog.text
+    again = threading.Event()
+    watch.schedule(time.monotonic(), again.set)
+    assert again.wait(10)

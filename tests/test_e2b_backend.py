@@ -27,11 +27,10 @@ from doubles import Spy, make_doc
 from e2b_fake import FakeE2B, Faults
 from test_code_runtime import AGENT, INSTRUCTION, SOLVE, code_doc, text_call
 
+from wmo_trio.backends import build_runtime, check_backend
 from wmo_trio.backends.e2b import RUNNER_SOURCE, E2BRuntime, E2BSettings
 from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
-from wmo_trio.episode.build import build_runtime, check_backend
-from wmo_trio.episode.code_runtime import CodeRuntime
-from wmo_trio.episode.runtime import ELIDED
+from wmo_trio.episode.services import ELIDED
 from wmo_trio.harness import HarnessDoc, load_harness
 from wmo_trio.models import ActionKind, RunResult, StopReason
 from wmo_trio.providers import build_provider
@@ -108,7 +107,7 @@ def test_the_example_task_is_solved_on_each_backend(e2b: FakeE2B, tmp_path: Path
     sandbox = e2b.sandboxes[sandbox_id]
     assert sandbox.template == "base"
     (runner,) = sandbox.processes.values()
-    assert f"/tmp/wmo-trio-{sandbox_id}/runner.py" in runner.command
+    assert f"/tmp/wmo-trio-{sandbox_id}/portable.py" in runner.command
     assert sandbox_id in e2b.killed
     # Alive for the whole budget, and not much longer if every kill failed.
     assert 30 < sandbox.timeout <= math.ceil(30 + GRACE_S)
@@ -237,7 +236,7 @@ def test_the_host_counts_the_budgets_even_when_the_kit_is_bypassed(e2b: FakeE2B,
 FORGED_ENDINGS = {
     "an unknown done reason": ({"type": "done", "stop_reason": "victory", "answer": "x"},
                                StopReason.UNKNOWN_DONE_REASON,
-                               "the sandbox runner ended the episode with the reason 'victory'"),
+                               "the episode's program ended with the reason 'victory'"),
     "a reason only the host gives": ({"type": "done", "stop_reason": "budget", "answer": ""},
                                      StopReason.UNKNOWN_DONE_REASON, "with the reason 'budget'"),
     "an unknown frame type": ({"type": "teleport"}, StopReason.ERROR, "unknown frame type 'teleport'"),
@@ -434,7 +433,7 @@ def test_check_backend_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.parametrize("backend, code, expected", [
-    ("local", False, EpisodeRuntime), ("local", True, CodeRuntime),
+    ("local", False, EpisodeRuntime), ("local", True, EpisodeRuntime),
     ("e2b", False, E2BRuntime), ("e2b", True, E2BRuntime),
 ])
 def test_build_runtime_chooses_the_runtime(monkeypatch: pytest.MonkeyPatch, backend: str, code: bool,
@@ -522,5 +521,5 @@ def test_a_harbor_trial_runs_a_code_runtime_document_in_a_sandbox(e2b: FakeE2B, 
     assert result["trace"]["stop_reason"] == "submitted"
     sandboxes = e2b.created[created:]
     assert len(sandboxes) == 2 and all(s in e2b.killed for s in sandboxes)  # task + runner
-    runners = [p for s in sandboxes for p in e2b.processes(s) if "runner.py" in p.command]
+    runners = [p for s in sandboxes for p in e2b.processes(s) if "portable.py" in p.command]
     assert len(runners) == 1

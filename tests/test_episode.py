@@ -10,10 +10,13 @@ from typing import Any
 
 import pytest
 from doubles import Spy, make_doc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from processes import running
 
 from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
-from wmo_trio.episode.runtime import NUDGES
+from wmo_trio.episode.services import NUDGES
+from wmo_trio.episode.tools import MAX_OBSERVATION_CHARS
 from wmo_trio.models import Action, ActionKind, Observation, StopReason
 from wmo_trio.providers import (
     CallControl,
@@ -180,6 +183,25 @@ def test_the_wall_clock_budget_kills_a_running_command(tmp_path: Path) -> None:
     assert not running(marker)
 
 
+def test_an_environment_whose_interrupt_raises_does_not_stop_later_budgets(
+        tmp_path: Path, caplog: Any) -> None:
+    # issue 15.2: the shared deadline watcher used to die with the raising interrupt(), and
+    # no budget fired again in the process: a later 0.5 s episode ran its 30 s command.
+    class Unreachable(LocalDirEnvironment):
+        def interrupt(self) -> None:
+            super().interrupt()  # the command does stop; reporting it fails
+            raise ConnectionError("the sandbox cannot be reached")
+
+    provider = Spy([bash("sleep 30"), submit()])
+    first = EpisodeRuntime(make_doc(), provider, episode_timeout_s=0.3)
+    assert first.run("t", "go", Unreachable(tmp_path)).stop_reason is StopReason.BUDGET
+    assert "a deadline's callback raised" in caplog.text
+    started = time.monotonic()
+    result, _ = run([bash("sleep 30"), submit()], tmp_path, episode_timeout_s=0.5)
+    assert result.stop_reason is StopReason.BUDGET
+    assert time.monotonic() - started < 20  # far from the 30 s command
+
+
 # -- cancellation ------------------------------------------------------------------------
 
 
@@ -229,18 +251,19 @@ def test_abort_before_run_returns_cancelled_at_once(tmp_path: Path) -> None:
     assert provider.requests == []
 
 
-def test_close_is_idempotent_and_closes_an_owned_provider(tmp_path: Path) -> None:
+def test_close_is_idempotent_leaves_the_provider_alone_and_ends_every_wait(tmp_path: Path) -> None:
     closed = []
 
     class Closing(Spy):
         def close(self) -> None:
             closed.append(True)
 
-    runtime = EpisodeRuntime(make_doc(), Closing([submit()]), owns_provider=True)
+    runtime = EpisodeRuntime(make_doc(), Closing([submit()]))
     runtime.run("t", "go", LocalDirEnvironment(tmp_path))
     runtime.close()
     runtime.close()
-    assert closed == [True]
+    assert closed == []  # the provider is its owner's to close
+    assert runtime.control.interrupted and not runtime.control.sleep(30)
 
 
 def test_a_runtime_runs_one_episode(tmp_path: Path) -> None:
@@ -322,3 +345,57 @@ def test_the_offline_policy_solves_a_file_task(tmp_path: Path) -> None:
                          LocalDirEnvironment(tmp_path))
     assert result.stop_reason is StopReason.SUBMITTED
     assert (tmp_path / "out" / "a.txt").read_text() == "hi\n"
+
+
+# -- the observation cap (issue 15.3) -------------------------------------------------------
+
+LONG = st.integers(min_value=10_001, max_value=60_000)
+
+
+class _RaisingEnvironment:
+    """An environment that raises instead of answering, with a long message."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def execute(self, action: Action) -> Observation:
+        raise RuntimeError(self.message)
+
+
+def _observation_paths(n: int) -> dict[str, tuple[list[dict[str, Any]], Any, Any]]:
+    """Every way an observation comes to be, each with a text of `n` characters in it:
+    (script, document, environment or None for a LocalDirEnvironment)."""
+    text = "x" * n
+
+    def call(tool: str, **arguments: str) -> dict[str, Any]:
+        return {"tool_calls": [{"name": tool, "arguments": arguments}]}
+
+    return {
+        "unknown tool": ([call("t" + "o" * n), submit()], None, None),
+        "unknown argument": ([call("bash", command="true", **{"k" * n: "v"}), submit()], None, None),
+        "unknown skill": ([call("read_skill", name="s" * n), submit()], make_doc(skill="notes"), None),
+        "command output": ([bash(f"head -c {n} /dev/zero | tr '\\\\0' x"), submit()], None, None),
+        "write_file path": ([call("write_file", path="p" * n, content="c"), submit()], None, None),
+        "unparsed call": ([{"tool_calls": [{"name": "bash" + "h" * n, "arguments": "{not json"}]},
+                           call("bash", command="true"), submit()], None, None),
+        "environment raises": ([bash("true"), submit()], None, _RaisingEnvironment(text)),
+        "provider error": ([bash("true"), {"error": {"kind": "bad_request", "message": text}}],
+                           None, None),
+    }
+
+
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(sorted(_observation_paths(1))), n=LONG)
+def test_every_observation_is_capped_whatever_produced_it(tmp_path: Path, path: str, n: int) -> None:
+    script, doc, environment = _observation_paths(n)[path]
+    provider = Spy(script)
+    runtime = EpisodeRuntime(doc or make_doc(), provider)
+    environment = environment or LocalDirEnvironment(tmp_path, command_timeout_sec=30)
+    result = runtime.run("task", "do it", environment)
+    assert result.steps, path
+    for step in result.steps:
+        assert len(step.observation.content) <= MAX_OBSERVATION_CHARS, (path, len(step.observation.content))
+    for request in provider.requests:
+        for message in request.messages:
+            if message.role == "tool":
+                assert len(message.content) <= MAX_OBSERVATION_CHARS, path

@@ -1,11 +1,114 @@
-"""Where an episode's loop runs.
+"""Where an episode's program runs, chosen per episode.
 
-- `local`: in this process (`wmo_trio.episode.runtime.EpisodeRuntime` for the built-in
-  loop, `wmo_trio.episode.code_runtime.CodeRuntime` for a `code:runtime` document).
-- `e2b`: in an E2B sandbox (`wmo_trio.backends.e2b.E2BRuntime`), the host answering model
-  and tool calls.
+- `local`: `wmo_trio.episode.EpisodeRuntime`; the program runs in this process (a
+  `code:runtime` program with this process's rights: trusted code only);
+- `e2b`: `wmo_trio.backends.e2b.E2BRuntime`; the program runs in an E2B sandbox, the host
+  answering its model and tool calls.
 
-`wmo_trio.backends.runner` is the portable half both share: the kit and the sandbox
-runner, standard library only. `wmo_trio.episode.build.build_runtime` chooses among them.
-Nothing is imported here, so the local backend never loads the e2b SDK.
+The program (built-in loop or document code) and the rules it runs under are the same on
+both: `wmo_trio.episode.portable` and `wmo_trio.episode.services`. Both runtimes have the
+`Runtime` surface, so the caller does not care which it got. The e2b SDK is imported only
+when an `e2b` runtime is built.
 """
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from wmo_trio.control import CallControl
+from wmo_trio.episode.environment import Environment
+from wmo_trio.episode.log import EpisodeLog
+from wmo_trio.episode.runtime import DEFAULT_EPISODE_TIMEOUT_S, EpisodeRuntime
+from wmo_trio.harness import HarnessDoc
+from wmo_trio.models import RunResult
+from wmo_trio.providers.base import Provider
+
+if TYPE_CHECKING:
+    from wmo_trio.backends.e2b import E2BSettings
+
+__all__ = ["BACKENDS", "Runtime", "build_runtime", "check_backend"]
+
+BACKENDS = ("local", "e2b")
+E2B_API_KEY_VARIABLE = "E2B_API_KEY"
+
+
+class Runtime(Protocol):
+    """One episode's runtime. `run` once, in a worker thread; `abort` and `close` from any
+    thread (`close` idempotent); `log` is readable while `run` goes."""
+
+    log: EpisodeLog
+
+    def run(self, task_id: str, instruction: str, environment: Environment) -> RunResult: ...
+
+    def abort(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def system_prompt(self) -> str: ...
+
+
+def check_backend(backend: object, e2b_template: object = None, *,
+                  api_key: str | None = None) -> None:
+    """Fail early, with a `ValueError` naming what to change, when `backend` cannot run.
+
+    `e2b` needs an API key: `api_key`, or the `E2B_API_KEY` environment variable.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"harness_backend must be one of {', '.join(map(repr, BACKENDS))}, "
+                         f"got {backend!r}")
+    if backend == "local":
+        if e2b_template is not None:
+            raise ValueError("e2b_template is only valid with harness_backend='e2b'")
+        return
+    if e2b_template is not None and (not isinstance(e2b_template, str) or not e2b_template.strip()):
+        raise ValueError(f"e2b_template must be a non-empty template name or id, got {e2b_template!r}")
+    if not (api_key or os.environ.get(E2B_API_KEY_VARIABLE)):
+        raise ValueError(
+            f"harness_backend='e2b' needs an E2B API key: set the {E2B_API_KEY_VARIABLE} "
+            "environment variable (E2B_DOMAIN, E2B_API_URL and E2B_SANDBOX_URL choose the "
+            "endpoints, as in the e2b SDK)"
+        )
+
+
+def build_runtime(
+    doc: HarnessDoc,
+    provider: Provider,
+    *,
+    control: CallControl | None = None,
+    backend: str = "local",
+    e2b_template: str | None = None,
+    episode_timeout_s: float = DEFAULT_EPISODE_TIMEOUT_S,
+    context_window: int | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+    on_progress: Callable[[EpisodeLog], None] | None = None,
+    transport_retries: int | None = None,
+    e2b_settings: E2BSettings | None = None,
+) -> Runtime:
+    """The runtime for one episode of `doc` on `backend` (see the module's table).
+
+    For `e2b`: `e2b_template` and `transport_retries`, when given, override the fields of
+    `e2b_settings` (defaults: template "base", 0 retries, so an episode is never replayed
+    against a task environment it may have changed). `local` ignores them.
+    """
+    api_key = e2b_settings.api_key if e2b_settings is not None else None
+    check_backend(backend, e2b_template, api_key=api_key)
+    if backend == "local":
+        return EpisodeRuntime(
+            doc, provider, control=control, episode_timeout_s=episode_timeout_s,
+            should_cancel=should_cancel, context_window=context_window, on_progress=on_progress,
+        )
+    from wmo_trio.backends.e2b import E2BRuntime, E2BSettings
+
+    settings = e2b_settings or E2BSettings()
+    if e2b_template is not None:
+        settings = dataclasses.replace(settings, template=e2b_template)
+    if transport_retries is not None:
+        settings = dataclasses.replace(settings, transport_retries=transport_retries)
+    return E2BRuntime(
+        doc, provider, control=control, episode_timeout_s=episode_timeout_s,
+        should_cancel=should_cancel, context_window=context_window, on_progress=on_progress,
+        settings=settings,
+    )

@@ -11,10 +11,11 @@ every boundary, records every step, and ends the episode by killing the sandbox.
 Deployment. The sandbox needs nothing but `python3` (3.8 or newer, standard library only),
 so E2B's default `base` template works. Per attempt the runtime creates a sandbox from the
 template (timeout: the episode's remaining budget plus `sandbox_grace_s`, so it outlives
-the episode but never by much), uploads `runner.py` (`wmo_trio/backends/runner.py`, read
-from the installed package) and `episode.json` (the episode spec: instruction, derived
-document data, the code) to `/tmp/wmo-trio-<sandbox id>/`, and starts
-`python3 -I runner.py episode.json` with its stdin open.
+the episode but never by much), uploads `portable.py` (`wmo_trio/episode/portable.py`, read
+from the installed package: the same program an in-process episode runs) and
+`episode.json` (the episode spec: instruction, derived document data, the code) to
+`/tmp/wmo-trio-<sandbox id>/`, and starts `python3 -I portable.py episode.json` with its
+stdin open: the *runner*.
 
 Frame protocol (version 1). Each frame is one JSON object on one line: the runner writes
 requests to its stdout, the host answers on its stdin (through envd's SendInput). One
@@ -44,14 +45,14 @@ partial transcript is kept; the sandbox is killed):
 - a line on the runner's stdout that is not JSON: `error` (transport);
 - a well-formed frame that breaks the protocol (unknown type, bad fields, no hello, a tool
   step): `error`, never replayed;
-- a `done` frame whose reason is not one the runner may give: `unknown_done_reason`. A
-  program ends as `submitted`, `no_action` or `error`; the built-in loop as `no_tool_call`,
-  `unparsed_tool_call`, `output_truncated` or `max_turns`; every other ending is the host's.
+- a `done` frame whose reason is not one the runner may give: `unknown_done_reason`
+  (`EpisodeServices.finish` decides which it may give).
 
-Stopping works as in `EpisodeRuntime`: cancellation and the wall-clock budget are checked
-at every frame (so before every model call and tool call) and interrupt the host-side call
-in flight; `abort()` also kills the sandbox at once, which stops even a program that is
-busy computing.
+Every request is answered by the episode's `EpisodeServices`, under exactly the rules of
+an in-process episode. Cancellation and the wall-clock budget are checked at every frame
+(so before every model call and tool call) and interrupt the host-side call in flight;
+`abort()` also kills the sandbox at once, which stops even a program that is busy
+computing.
 
 Transport failures may be replayed on a fresh sandbox, at most `transport_retries` times and
 only while the episode has not run a single environment action: a task environment is
@@ -78,21 +79,12 @@ from typing import Any
 from e2b import CommandExitException, Sandbox
 from pydantic import BaseModel, ValidationError
 
-from wmo_trio.backends.runner import PROTOCOL
-from wmo_trio.episode.code_runtime import EpisodeEnded, EpisodeServices, episode_spec
 from wmo_trio.episode.environment import Environment
-from wmo_trio.episode.runtime import (
-    EpisodeRuntime,
-    RuntimeBase,
-)
+from wmo_trio.episode.portable import PROTOCOL
+from wmo_trio.episode.runtime import RuntimeBase
+from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, episode_mode, episode_spec
 from wmo_trio.harness import HarnessDoc
-from wmo_trio.models import (
-    Action,
-    ActionKind,
-    RunResult,
-    Step,
-    StopReason,
-)
+from wmo_trio.models import Action, ActionKind, RunResult, Step, StopReason
 from wmo_trio.providers.base import Provider, ProviderRequest
 
 __all__ = ["DEFAULT_TEMPLATE", "E2BRuntime", "E2BSettings"]
@@ -100,13 +92,10 @@ __all__ = ["DEFAULT_TEMPLATE", "E2BRuntime", "E2BSettings"]
 log = logging.getLogger("wmo_trio.backends.e2b")
 
 DEFAULT_TEMPLATE = "base"
-RUNNER_SOURCE = resources.files("wmo_trio.backends").joinpath("runner.py").read_text(encoding="utf-8")
+RUNNER_SOURCE = resources.files("wmo_trio.episode").joinpath("portable.py").read_text(encoding="utf-8")
 # A frame is a model request or reply: large, but never this large.
 MAX_FRAME_CHARS = 16 * 1024 * 1024
 _STDERR_TAIL_CHARS = 2000
-_LOOP_ENDINGS = frozenset({StopReason.NO_TOOL_CALL, StopReason.UNPARSED_TOOL_CALL,
-                           StopReason.OUTPUT_TRUNCATED, StopReason.MAX_TURNS})
-_CODE_ENDINGS = frozenset({StopReason.SUBMITTED, StopReason.NO_ACTION, StopReason.ERROR})
 
 
 @dataclass(frozen=True)
@@ -267,10 +256,7 @@ class E2BRuntime(RuntimeBase):
                  settings: E2BSettings | None = None, **kwargs: Any) -> None:
         super().__init__(doc, provider, **kwargs)
         self.settings = settings or E2BSettings()
-        self.mode = "loop" if doc.runtime_code is None else "code"
-        # The built-in loop's prompt is EpisodeRuntime's, so the two backends send the
-        # model the same system prompt.
-        self._loop_prompt = EpisodeRuntime(doc, provider).system_prompt()
+        self.mode = episode_mode(doc)
         self.sandbox_ids: list[str] = []
         self._sandbox: Sandbox | None = None
         self._runner: _RunnerProcess | None = None
@@ -308,22 +294,13 @@ class E2BRuntime(RuntimeBase):
             log.warning("killing sandbox %s failed; E2B ends it at its timeout",
                         sandbox.sandbox_id, exc_info=True)
 
-    def system_prompt(self) -> str:
-        return self._loop_prompt if self.mode == "loop" else self.doc.system_prompt
-
     # -- the episode ----------------------------------------------------------------------
 
     def run(self, task_id: str, instruction: str, environment: Environment) -> RunResult:
         with self._episode(environment):
-            services = EpisodeServices(
-                self.doc, self.provider, self.log, self._control, stopping=self._stopping,
-                episode_timeout_s=self.episode_timeout_s, context_window=self.context_window,
-                code_mode=self.mode == "code",
-            )
-            services.environment = environment
+            services = self._services(environment)
             spec = episode_spec(self.doc, task_id=task_id, instruction=instruction,
-                                mode=self.mode, context_window=self.context_window,
-                                loop_system_prompt=self._loop_prompt)
+                                context_window=self.context_window)
             payload = json.dumps(spec).encode("utf-8")
             try:
                 reason, answer = self._attempts(services, payload, task_id)
@@ -367,7 +344,7 @@ class E2BRuntime(RuntimeBase):
         return self.sandbox_ids[-1] if len(self.sandbox_ids) > known else None
 
     def _create_sandbox(self, services: EpisodeServices, task_id: str) -> Sandbox:
-        remaining = self._control.remaining() or 0.0
+        remaining = self.control.remaining() or 0.0
         lifetime = math.ceil(remaining + self.settings.sandbox_grace_s)
         try:
             sandbox = Sandbox.create(
@@ -393,11 +370,11 @@ class E2BRuntime(RuntimeBase):
         sandbox = self._create_sandbox(services, task_id)
         workdir = f"/tmp/wmo-trio-{sandbox.sandbox_id}"
         command = " ".join(shlex.quote(part) for part in (
-            self.settings.python, "-I", f"{workdir}/runner.py", f"{workdir}/episode.json"))
-        lifetime = math.ceil((self._control.remaining() or 0.0) + self.settings.sandbox_grace_s)
+            self.settings.python, "-I", f"{workdir}/portable.py", f"{workdir}/episode.json"))
+        lifetime = math.ceil((self.control.remaining() or 0.0) + self.settings.sandbox_grace_s)
         try:
             sandbox.files.write_files(
-                [{"path": f"{workdir}/runner.py", "data": RUNNER_SOURCE},
+                [{"path": f"{workdir}/portable.py", "data": RUNNER_SOURCE},
                  {"path": f"{workdir}/episode.json", "data": payload}],
                 request_timeout=self.settings.request_timeout_s,
             )
@@ -414,7 +391,7 @@ class E2BRuntime(RuntimeBase):
     def _serve(self, runner: _RunnerProcess, services: EpisodeServices) -> tuple[StopReason, str]:
         greeted = False
         while True:
-            item = runner.next(self._control.remaining())
+            item = runner.next(self.control.remaining())
             services.boundary()
             if item is _WAKE:
                 continue
@@ -457,19 +434,10 @@ class E2BRuntime(RuntimeBase):
                 if step.action.kind is not ActionKind.MESSAGE:
                     raise _ProtocolViolation("a step frame may only carry a message step; tool "
                                              "calls are recorded by the host as it answers them")
-                self.log.record(step.action, step.observation)
+                services.record_step(step.action, step.observation)
             elif kind == "done":
-                return self._done(frame, services)
+                reason = frame.get("stop_reason")
+                answer = _frame_field(frame, "answer", str, optional=True) or ""
+                return services.finish(reason if isinstance(reason, str) else repr(reason), answer)
             else:
                 raise _ProtocolViolation(f"unknown frame type {kind!r}")
-
-    def _done(self, frame: dict[str, Any], services: EpisodeServices) -> tuple[StopReason, str]:
-        reason = frame.get("stop_reason")
-        answer = _frame_field(frame, "answer", str, optional=True) or ""
-        allowed = _CODE_ENDINGS if self.mode == "code" else _LOOP_ENDINGS
-        if reason not in {ending.value for ending in allowed}:
-            services.record_error(f"the sandbox runner ended the episode with the reason "
-                                  f"{reason!r}, which it may not give")
-            return StopReason.UNKNOWN_DONE_REASON, ""
-        ending = StopReason(reason)
-        return ending, answer if ending is StopReason.SUBMITTED else ""

@@ -4,15 +4,21 @@ An episode's budget must interrupt a model call or a command in flight, which a 
 between steps cannot do. A timer thread per episode would double the thread count of a
 1,024-episode run, so all deadlines share this watcher. It starts on first use and exits
 after an idle period, so it never outlives the work that needed it by more than that.
+
+A callback that raises (an environment whose `interrupt()` cannot reach a remote sandbox)
+is logged; the watcher goes on, so every later deadline in the process still fires.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
+
+log = logging.getLogger("wmo_trio.episode")
 
 _IDLE_EXIT_S = 2.0
 
@@ -55,7 +61,21 @@ class DeadlineWatch:
             if self._heap and self._heap[0][2] is handle:
                 self._wakeup.notify()
 
+    def pending(self) -> int:
+        """Deadlines scheduled and neither fired nor cancelled."""
+        with self._wakeup:
+            return sum(not handle.cancelled for _, _, handle in self._heap)
+
     def _serve(self) -> None:
+        try:
+            self._fire_until_idle()
+        except BaseException:
+            with self._wakeup:  # a defect here must not leave a dead watcher registered
+                if self._thread is threading.current_thread():
+                    self._thread = None
+            raise
+
+    def _fire_until_idle(self) -> None:
         while True:
             with self._wakeup:
                 while self._heap and self._heap[0][2].cancelled:
@@ -74,7 +94,11 @@ class DeadlineWatch:
                     continue
                 heapq.heappop(self._heap)
             if not handle.cancelled:
-                handle.callback()
+                try:
+                    handle.callback()
+                except Exception:
+                    log.warning("a deadline's callback raised; later deadlines still fire",
+                                exc_info=True)
 
 
 DEADLINES = DeadlineWatch()

@@ -9,15 +9,22 @@ environment, reached through the trio engine).
 
 from __future__ import annotations
 
+import base64
 import os
+import posixpath
 import shlex
 import signal
 import subprocess
+import tempfile
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol, runtime_checkable
 
+from wmo_trio.control import CallInterrupted
 from wmo_trio.episode.tools import (
     argument_problem,
     command_observation,
@@ -28,18 +35,12 @@ from wmo_trio.episode.tools import (
     unavailable,
 )
 from wmo_trio.models import Action, ActionKind, Observation
-
-MAX_COMMAND_TIMEOUT_SEC = 240
+from wmo_trio.settings import MAX_COMMAND_TIMEOUT_SEC, CommandTimeout, checked
 
 
 def check_command_timeout(value: object, *, name: str = "command_timeout_sec") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not (
-        1 <= value <= MAX_COMMAND_TIMEOUT_SEC
-    ):
-        raise ValueError(
-            f"{name} must be an integer in [1, {MAX_COMMAND_TIMEOUT_SEC}], got {value!r}"
-        )
-    return value
+    timeout: int = checked(CommandTimeout, value, name)
+    return timeout
 
 
 @runtime_checkable
@@ -62,8 +63,63 @@ class CommandResult(NamedTuple):
     return_code: int
 
 
-class EnvironmentInterrupted(Exception):
-    """The episode was interrupted while (or before) this environment call ran."""
+@dataclass(frozen=True)
+class Command:
+    """A step of a file write: run this shell command (it must exit 0)."""
+
+    command: str
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A step of a file write: put these bytes at this absolute path."""
+
+    target: str
+    data: bytes
+
+
+# Content up to this size travels inside a command as base64 (one round trip); larger
+# content is uploaded. Well under the kernel's 128 KiB limit on a single argument.
+INLINE_WRITE_LIMIT = 48 * 1024
+
+
+def write_file_plan(path: str, data: bytes) -> Generator[Command | Upload, CommandResult | None, None]:
+    """How to write `data` to `path` in an environment that runs shell commands: the steps,
+    each sent back the result of the command it asked for. One algorithm for every such
+    environment, sync or async; its driver runs the commands and uploads.
+
+    The parent directory is computed here, not by the shell: `"$(dirname ...)"` would
+    strip a trailing newline from it.
+    """
+    quoted = shlex.quote(path)
+    parent = shlex.quote(posixpath.dirname(path) or ".")
+    if len(data) <= INLINE_WRITE_LIMIT:
+        encoded = base64.b64encode(data).decode("ascii")
+        _check((yield Command(f"mkdir -p -- {parent} && printf %s {encoded} | base64 -d > {quoted}")))
+        return
+    # Resolve the path where commands run (relative paths are the task's working
+    # directory), then upload the bytes to that absolute path.
+    resolved = _check((yield Command(f"mkdir -p -- {parent} && realpath -m -- {quoted}")))
+    yield Upload(resolved.stdout.removesuffix("\n"), data)
+
+
+def _check(result: CommandResult | None) -> CommandResult:
+    assert result is not None, "a Command step is always sent its result"
+    if result.return_code != 0:
+        raise OSError(f"exit {result.return_code}: {(result.stderr or result.stdout).strip()[:500]}")
+    return result
+
+
+@contextmanager
+def staged(data: bytes) -> Iterator[str]:
+    """`data` in a temporary file of this host, for an environment's upload."""
+    fd, path = tempfile.mkstemp(prefix="wmo-trio-write-")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        yield path
+    finally:
+        os.unlink(path)
 
 
 class ShellEnvironment(ABC):
@@ -133,7 +189,7 @@ class LocalDirEnvironment(ShellEnvironment):
     def run_command(self, command: str) -> CommandResult:
         with self._lock:
             if self._interrupted:
-                raise EnvironmentInterrupted("the episode is stopping; command not started")
+                raise CallInterrupted("the episode is stopping; command not started")
             process = subprocess.Popen(
                 [self._shell, "-c", command],
                 cwd=self.workdir,
@@ -159,7 +215,7 @@ class LocalDirEnvironment(ShellEnvironment):
                 _kill_group(process)
                 process.wait()
         if self._interrupted:
-            raise EnvironmentInterrupted("command killed: the episode is stopping")
+            raise CallInterrupted("command killed: the episode is stopping")
         return CommandResult(decode_output(stdout), decode_output(stderr), process.returncode)
 
     def write_file_bytes(self, path: str, data: bytes) -> None:

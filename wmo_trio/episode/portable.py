@@ -1,21 +1,24 @@
-"""The portable half of an episode: the kit a `code:runtime` program gets, and the runner.
+"""The portable half of an episode: the programs that drive it, and the kit they use.
 
-Everything here is plain Python 3.8+ with nothing but the standard library, because the
-e2b backend uploads this very file into the sandbox and starts it with the template's own
-`python3` (see `wmo_trio.backends.e2b`, which also documents the frame protocol). The local
-backend imports the same `Kit` and `run_program` in-process (`wmo_trio.episode.code_runtime`),
-so a document's code meets the same kit, and the same observation objects, on either backend.
+An episode is a *program* asking a *host* for model calls and tool calls. The program is
+either the built-in tool-calling loop (`run_loop`) or a document's `code:runtime` module
+(`run_program`, which hands it a `Kit`); the host (`wmo_trio.episode.services`) answers
+every call, counts the budgets, records the steps and may end the episode at any call.
+The same program runs in both places an episode can run:
 
-The kit only *asks*: every model call and every tool call goes through a channel to the
-host, which counts the budgets, records the steps and may end the episode at any call.
-Inside a sandbox the channel is the process's stdin and stdout, and nothing the program
-does to this module (it runs in the same interpreter) lets it past the host's checks.
+- in-process (`wmo_trio.episode.runtime.EpisodeRuntime`), over a channel that calls the
+  host's services directly;
+- in an E2B sandbox (`wmo_trio.backends.e2b`), which uploads this very file and starts it
+  as `python3 -I portable.py EPISODE_JSON`; the channel is then JSON frames on the
+  process's stdin and stdout (`HostChannel`).
 
-Started as `python3 -I runner.py EPISODE_JSON`, the runner reads the episode spec, moves
-its frame streams off file descriptors 0 and 1 (so a program's `print` or a child process
-writes to stderr, never into the frame stream), says hello, and runs either the built-in
-loop (`run_loop`, the sandbox twin of `wmo_trio.episode.runtime.EpisodeRuntime`) or the
-document's `run(kit)`.
+So everything here is plain Python 3.8+ with nothing but the standard library, and every
+value crossing the channel is JSON-shaped. Nothing a program does to this module (it runs
+in the same interpreter) lets it past the host's checks, which all happen on the host.
+
+Started as a script, the runner reads the episode spec, moves its frame streams off file
+descriptors 0 and 1 (so a program's `print` or a child process writes to stderr, never
+into the frame stream), says hello, runs the episode's program and reports how it ended.
 """
 
 from __future__ import annotations
@@ -116,10 +119,9 @@ def _as_tool_call(value: object) -> dict[str, Any] | None:
 
 
 class Kit:
-    """What `run(kit)` receives. See `wmo_trio.episode.code_runtime` for the reference.
+    """What `run(kit)` receives; the README documents it for document authors.
 
-    `channel` is the host: `complete(request) -> response` and `execute(tool, arguments,
-    content, parse_error) -> observation`, all JSON-shaped dicts.
+    `channel` is the host (see `run_episode`); every call goes through it.
     """
 
     def __init__(self, channel: Any, spec: Mapping[str, Any]) -> None:
@@ -294,10 +296,11 @@ def _message(role: str, content: str, tool_calls: Sequence[Any] = (),
             "tool_call_id": tool_call_id, "is_error": is_error}
 
 
-def _fit(system: str, messages: list[dict[str, Any]], max_output: int,
-         window: int | None, elided: str) -> list[dict[str, Any]]:
-    """Elide the oldest tool outputs while the request would overflow the context window
-    (estimated at four characters a token), exactly as the host's loop does."""
+def fit_context(system: str, messages: list[dict[str, Any]], max_output: int,
+                window: int | None, elided: str) -> list[dict[str, Any]]:
+    """The messages to send: with a context window, the oldest tool outputs are elided
+    while the request would overflow it (estimated at four characters a token).
+    `messages` is updated in place, so an elided output stays elided."""
     if window is None:
         return list(messages)
 
@@ -324,12 +327,13 @@ def _unusable_kind(response: Mapping[str, Any]) -> str:
     return "no_tool_call"
 
 
-def run_loop(spec: Mapping[str, Any], channel: HostChannel) -> str:
-    """The built-in episode loop, run in the sandbox; returns its own stop reason.
+def run_loop(spec: Mapping[str, Any], channel: Any) -> str:
+    """The built-in episode loop; returns the stop reason it ends with by itself.
 
-    The twin of `EpisodeRuntime._loop`: the same requests, nudges and end steps. Tool calls
-    (submit included) are answered by the host, which also checks the boundaries, so this
-    side only keeps the conversation and decides the nudges and the end by turns.
+    Each turn is one model call with the document's tools; every tool call of the reply is
+    answered by the host in order (submit included, which ends the episode there). A reply
+    without a usable tool call gets a corrective nudge, and the third in a row ends the
+    episode. The loop takes `params.max_turns` turns at most; the host enforces that too.
     """
     params = spec["params"]
     max_turns = int(params["max_turns"])
@@ -342,7 +346,8 @@ def run_loop(spec: Mapping[str, Any], channel: HostChannel) -> str:
     for turn in range(1, max_turns + 1):
         response = channel.complete({
             "system": system,
-            "messages": _fit(system, messages, max_output, spec["context_window"], spec["elided"]),
+            "messages": fit_context(system, messages, max_output, spec["context_window"],
+                                    spec["elided"]),
             "tools": spec["tool_specs"],
             "max_output_tokens": max_output,
             "temperature": params["temperature"],
@@ -357,9 +362,8 @@ def run_loop(spec: Mapping[str, Any], channel: HostChannel) -> str:
                 messages.append(_message("tool", spec["unparsed"].replace("{tool}", call["name"])
                                          .replace("{reason}", reason),
                                          tool_call_id=call["id"], is_error=True))
-            last = streak >= max_unusable or turn == max_turns
             action = {"kind": "message", "content": text}
-            if last:
+            if streak >= max_unusable or turn == max_turns:
                 ended = (f"episode ended: {streak} consecutive replies without a usable tool call"
                          if streak >= max_unusable else "episode ended: no turns left")
                 channel.step(action, {"content": ended, "is_error": True})
@@ -372,6 +376,7 @@ def run_loop(spec: Mapping[str, Any], channel: HostChannel) -> str:
             continue
         streak, last_unusable = 0, None
         for position, call in enumerate(calls):
+            # The reply's text goes with its first action, so the transcript keeps it.
             observation = channel.execute(call["name"], call.get("arguments"),
                                           text if position == 0 and text else None,
                                           call.get("parse_error"))
@@ -382,7 +387,22 @@ def run_loop(spec: Mapping[str, Any], channel: HostChannel) -> str:
     return "max_turns"
 
 
-# -- the channel to the host -----------------------------------------------------------------
+def run_episode(spec: Mapping[str, Any], channel: Any) -> dict[str, Any]:
+    """Run the episode's program over `channel` and say how it ended by itself:
+    `{"stop_reason", "answer", "step"}` (see `run_program`; the built-in loop never has a
+    final step). An ending the host decides (submit, a budget, cancellation, a provider
+    error) is raised by the channel and propagates.
+
+    `channel` answers, with JSON-shaped dicts: `complete(request) -> response`,
+    `execute(tool, arguments, content, parse_error) -> observation` and `step(action,
+    observation)` (a message step to record, such as a nudge).
+    """
+    if spec["mode"] == "code":
+        return run_program(spec["code"], Kit(channel, spec))
+    return {"stop_reason": run_loop(spec, channel), "answer": "", "step": None}
+
+
+# -- the channel to the host, in a sandbox ---------------------------------------------------
 
 
 class HostChannel:
@@ -434,7 +454,7 @@ class HostChannel:
 
 def main(argv: Sequence[str]) -> int:
     if len(argv) != 2:
-        sys.stderr.write("usage: runner.py EPISODE_JSON\n")
+        sys.stderr.write("usage: portable.py EPISODE_JSON\n")
         return 2
     with open(argv[1], encoding="utf-8") as file:
         spec = json.load(file)
@@ -450,16 +470,12 @@ def main(argv: Sequence[str]) -> int:
     channel = HostChannel(frames, replies)
     channel.send({"type": "hello", "protocol": PROTOCOL, "python": platform.python_version()})
     try:
-        if spec["mode"] == "code":
-            outcome = run_program(spec["code"], Kit(channel, spec))
-            if outcome["step"] is not None:
-                channel.send({"type": "step", "step": outcome["step"]})
-            channel.send({"type": "done", "stop_reason": outcome["stop_reason"],
-                          "answer": outcome["answer"]})
-        else:
-            channel.send({"type": "done", "stop_reason": run_loop(spec, channel), "answer": ""})
+        outcome = run_episode(spec, channel)
     except HostGone:
         return 0
+    if outcome["step"] is not None:
+        channel.send({"type": "step", "step": outcome["step"]})
+    channel.send({"type": "done", "stop_reason": outcome["stop_reason"], "answer": outcome["answer"]})
     return 0
 
 
