@@ -50,6 +50,7 @@ class RecordedRequest:
     path: str
     headers: Mapping[str, str]  # lower-cased names
     body: Any
+    client_port: int = 0  # the connection it came on (keep-alive reuses one)
 
 
 def usage(input_tokens: int = 10, output_tokens: int = 5, *, cache_read: int = 0,
@@ -220,6 +221,7 @@ class AnthropicServer:
                     path=self.path,
                     headers={k.lower(): v for k, v in self.headers.items()},
                     body=body,
+                    client_port=self.client_address[1],
                 )
                 reply = server._next_reply(recorded)
                 if reply.delay_s > 0 and server._stopping.wait(reply.delay_s):

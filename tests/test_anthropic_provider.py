@@ -15,6 +15,7 @@ from typing import Any
 
 import anthropic_server as api
 import pytest
+import trio
 from anthropic_server import AnthropicServer
 from doubles import RecordingControl
 
@@ -472,7 +473,7 @@ def test_the_http_timeout_is_capped_by_timeout_s(anthropic_server: AnthropicServ
     assert float(anthropic_server.requests[-1].headers["x-stainless-timeout"]) == 7
 
 
-def test_an_interrupt_abandons_the_call_in_flight(anthropic_server: AnthropicServer,
+def test_an_interrupt_cancels_the_call_in_flight(anthropic_server: AnthropicServer,
                                                   provider: AnthropicProvider) -> None:
     anthropic_server.enqueue(api.text("never seen").slow(60))
     control = CallControl()
@@ -484,23 +485,20 @@ def test_an_interrupt_abandons_the_call_in_flight(anthropic_server: AnthropicSer
     interrupter.join()
 
 
-def helper_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "wmo-anthropic-call"]
+def test_providers_of_one_configuration_share_a_client_per_trio_run(
+        anthropic_server: AnthropicServer, make_provider: Callable[..., AnthropicProvider]) -> None:
+    # One connection pool per process and configuration: two agents' providers reuse one
+    # keep-alive connection; other settings get a client of their own.
+    first, second, other = make_provider(), make_provider(), make_provider(timeout_s=99)
+    anthropic_server.enqueue(*(api.text("ok") for _ in range(4)))
 
+    async def main() -> None:
+        for provider in (first, second, first, other):
+            await trio.to_thread.run_sync(provider.complete, request(), CallControl())
 
-def test_an_abandoned_call_ends_by_its_timeout(anthropic_server: AnthropicServer,
-                                               make_provider: Callable[..., AnthropicProvider]) -> None:
-    provider = make_provider(timeout_s=0.5)
-    anthropic_server.enqueue(api.text("never seen").slow(60))
-    control = CallControl()
-    interrupter = interrupt_when(lambda: bool(anthropic_server.requests), control)
-    with pytest.raises(ProviderInterrupted):
-        provider.complete(request(), control)
-    interrupter.join()
-    limit = time.monotonic() + PROMPTLY_S
-    while helper_threads() and time.monotonic() < limit:
-        time.sleep(0.02)
-    assert helper_threads() == []  # ended though the server still has not answered
+    trio.run(main)
+    ports = [recorded.client_port for recorded in anthropic_server.requests]
+    assert ports[0] == ports[1] == ports[2] != ports[3]
 
 
 def test_an_interrupted_control_sends_nothing(anthropic_server: AnthropicServer,

@@ -11,6 +11,7 @@ import pytest
 from doubles import RecordingControl
 
 from wmo_trio.models import TokenUsage
+from wmo_trio.providers import build_provider
 from wmo_trio.providers.base import (
     CallControl,
     FinishReason,
@@ -136,7 +137,10 @@ def test_a_very_late_attempt_waits_at_most_max_delay() -> None:
 
 
 def test_settings_are_read_and_checked() -> None:
-    policy = RetryPolicy.from_settings({"max_attempts": 2, "base_delay_s": 0.5, "retry_after_cap_s": 1})
+    provider = build_provider({"kind": "scripted", "model": "s", "retry": {
+        "max_attempts": 2, "base_delay_s": 0.5, "retry_after_cap_s": 1}})
+    assert isinstance(provider, RetryingProvider)
+    policy = provider.policy
     assert (policy.max_attempts, policy.base_delay_s, policy.retry_after_cap_s) == (2, 0.5, 1)
     assert RetryPolicy.from_settings(None) == RetryPolicy()
 
@@ -147,4 +151,4 @@ def test_settings_are_read_and_checked() -> None:
 ])
 def test_bad_settings_are_refused(settings: object) -> None:
     with pytest.raises(ProviderConfigError, match="retry"):
-        RetryPolicy.from_settings(settings)  # type: ignore[arg-type]
+        build_provider({"kind": "scripted", "model": "s", "retry": settings})

@@ -124,7 +124,7 @@ def test_malformed_script_files_say_what_and_where(tmp_path: Path, content: str,
 
 
 def test_unknown_settings_are_refused() -> None:
-    with pytest.raises(ProviderConfigError, match="unknown settings scirpt"):
+    with pytest.raises(ProviderConfigError, match="unknown setting scirpt"):
         build_provider({"kind": "scripted", "model": "s", "scirpt": []})
 
 

@@ -1,8 +1,10 @@
 """Worker-model providers, chosen by `ProviderConfig.kind`.
 
 `build_provider` is the one way the rest of wmo_trio obtains a provider: it validates the
-configuration (a missing API key fails here, before any episode runs) and wraps the
-provider in wmo_trio's retry policy.
+configuration (a bad setting or a missing API key fails here, before any episode runs) and
+wraps the provider in wmo_trio's retry policy. Building one is cheap and does no I/O: an
+SDK is imported, and its client created, in a worker thread on the first call, never on
+harbor's loop or on the trio thread.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from wmo_trio.providers.base import (
     ProviderInterrupted,
     ProviderRequest,
     ProviderResponse,
+    ProviderSettings,
     ToolCall,
     ToolSpec,
 )
+from wmo_trio.providers.recording import RecordingProvider
+from wmo_trio.providers.retry import RetryingProvider, RetryPolicy
 
 __all__ = [
     "CallControl",
@@ -39,15 +44,13 @@ __all__ = [
     "ProviderInterrupted",
     "ProviderRequest",
     "ProviderResponse",
+    "ProviderSettings",
     "ToolCall",
     "ToolSpec",
     "build_provider",
     "known_kinds",
     "parse_provider_config",
 ]
-
-# Settings every provider kind accepts; build_provider handles them around the provider.
-GENERIC_SETTINGS = frozenset({"retry", "record"})
 
 # kind -> "module:Class"; classes are imported on first use so that an offline run never
 # pays for the SDKs it does not touch.
@@ -98,19 +101,17 @@ def provider_class(kind: str) -> Any:
 def build_provider(
     data: ProviderConfig | Mapping[str, Any], *, with_retries: bool = True
 ) -> Provider:
-    """A ready provider for `data`, wrapped in the retry policy unless told otherwise."""
+    """A ready provider for `data`, wrapped in the retry policy unless told otherwise.
+
+    The kind's `from_config` checks every setting, the generic ones (`retry`, `record`)
+    included; they are then applied here, around the provider.
+    """
     config = parse_provider_config(data)
-    from wmo_trio.providers.retry import RetryingProvider, RetryPolicy
-
-    policy = RetryPolicy.from_settings(config.settings.get("retry"))  # fails before any client
     provider: Provider = provider_class(config.kind).from_config(config)
-    record = config.settings.get("record")
-    if record is not None:
-        from wmo_trio.providers.recording import RecordingProvider
-
-        if not isinstance(record, str) or not record:
-            raise ProviderConfigError("record must be the path of a JSONL file to append calls to")
-        provider = RecordingProvider(provider, record)
+    generic = ProviderSettings.model_validate(
+        {name: value for name, value in config.settings.items() if name in ProviderSettings.model_fields})
+    if generic.record is not None:
+        provider = RecordingProvider(provider, generic.record)
     if with_retries:
-        provider = RetryingProvider(provider, policy)
+        provider = RetryingProvider(provider, RetryPolicy.from_settings(generic.retry))
     return provider

@@ -12,15 +12,17 @@ assistant turn's thinking blocks sent back unchanged together with its tool call
 provider keeps them (keyed by the turn's first tool-call id, in a bounded table) and puts
 them back when the conversation is sent again.
 
+Model I/O: the episode's worker thread builds the request body and maps the response; the
+HTTP exchange itself runs on the trio thread (`CallControl.run_async`) through an
+`AsyncAnthropic` client shared by every episode of the trio run with the same settings, so
+one connection pool serves them all. No thread per call and no polling: an interrupted
+episode cancels its call at once through trio's cancel scope. The SDK is imported and the
+client built in a worker thread the first time a run needs it, never on an event loop's
+thread; building a provider does neither.
+
 Retries belong to wmo_trio's retry policy (`retry.py`), so the SDK's own are off. Errors
 become `ProviderError`s that say whether a retry may help and how long the server asked
 us to wait.
-
-Cancellation: the SDK call blocks, so it runs in a daemon helper thread while the calling
-worker waits for its result or the episode's interruption, whichever comes first. On
-interruption the worker raises `ProviderInterrupted` at once and the HTTP call is
-abandoned; it never touches the task environment, and it ends by itself because each call
-is bounded by the episode's remaining budget (and by `timeout_s`).
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Self
+from typing import TYPE_CHECKING, Any, Self
 
-import anthropic
-import httpx2
+import trio
+from pydantic import Field, field_validator
 
+from wmo_trio.control import CallInterrupted
 from wmo_trio.models import JsonObject, TokenUsage
 from wmo_trio.providers.base import (
     CallControl,
@@ -50,15 +53,19 @@ from wmo_trio.providers.base import (
     ProviderInterrupted,
     ProviderRequest,
     ProviderResponse,
+    ProviderSettings,
     ToolCall,
 )
 from wmo_trio.providers.retry import is_retryable_status
+from wmo_trio.settings import NonEmptyText, PositiveInt, PositiveSeconds
+
+if TYPE_CHECKING:
+    import anthropic
 
 DEFAULT_API_KEY_ENV = "ANTHROPIC_API_KEY"
 DEFAULT_TIMEOUT_S = 600.0
 MIN_THINKING_BUDGET = 1024  # the API's floor for `budget_tokens`
 
-_SETTINGS = frozenset({"api_key_env", "base_url", "timeout_s", "thinking", "max_connections", "api_version"})
 # The SDK sends API version 2026-10-21, which refuses sampling parameters (temperature
 # included, even at its default) with a 400, and the SDK has no argument for them any more.
 # Only under an older version, chosen with the `api_version` setting, is temperature sent.
@@ -71,9 +78,6 @@ _FINISH_REASONS = {
     "max_tokens": FinishReason.LENGTH,
     "refusal": FinishReason.CONTENT_FILTER,
 }
-# CallControl offers no way to wait for "interrupted or my result is ready" at once, so the
-# worker waits on the result and looks at the interruption this often.
-_INTERRUPT_POLL_S = 0.05
 # A connection that cannot even be opened within this long will not do better later.
 _CONNECT_TIMEOUT_S = 10.0
 # Thinking blocks kept for sending back: the API needs only each episode's latest tool-use
@@ -81,155 +85,148 @@ _CONNECT_TIMEOUT_S = 10.0
 _THINKING_TABLE_SIZE = 4096
 
 
+class AnthropicSettings(ProviderSettings):
+    """Settings of the `anthropic` kind."""
+
+    api_key_env: NonEmptyText = Field(
+        default=DEFAULT_API_KEY_ENV, description="the name of the environment variable holding the key")
+    base_url: NonEmptyText | None = Field(default=None, description="a URL string")
+    timeout_s: PositiveSeconds = DEFAULT_TIMEOUT_S
+    thinking: dict[str, Any] | None = Field(
+        default=None, description='an object with a "type", for example '
+        '{"type": "enabled", "budget_tokens": 2048}')
+    max_connections: PositiveInt | None = None
+    api_version: NonEmptyText | None = Field(
+        default=None, description="an API version string such as '2023-06-01'")
+
+    @field_validator("thinking")
+    @classmethod
+    def _thinking_is_an_api_configuration(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        if not isinstance(value.get("type"), str):
+            raise ValueError('it must have a "type", for example {"type": "enabled", "budget_tokens": 2048}')
+        budget = value.get("budget_tokens")
+        if value["type"] == "enabled" and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < MIN_THINKING_BUDGET
+        ):
+            raise ValueError(f"budget_tokens must be an integer >= {MIN_THINKING_BUDGET}")
+        return value
+
+
 class AnthropicProvider:
     """Claude through the Messages API. Safe to call from many worker threads at once.
 
-    Settings: `api_key_env` (the variable holding the key, default `ANTHROPIC_API_KEY`),
-    `base_url` (default: `ANTHROPIC_BASE_URL`, else the SDK's), `timeout_s` (the longest
-    one HTTP call may take, default 600), `thinking` (the API's thinking configuration,
-    for example `{"type": "enabled", "budget_tokens": 2048}`), `max_connections`, and
-    `api_version` (the `anthropic-version` header; default: the SDK's). The request's
-    temperature is sent only under API version 2023-06-01 and without thinking: the newer
-    API refuses it.
+    Settings (`AnthropicSettings`): `api_key_env` (the variable holding the key, default
+    `ANTHROPIC_API_KEY`), `base_url` (default: `ANTHROPIC_BASE_URL`, else the SDK's),
+    `timeout_s` (the longest one call may take, default 600), `thinking` (the API's
+    thinking configuration), `max_connections` (default: no limit; the pool is shared by
+    every episode of the run), and `api_version` (the `anthropic-version` header; default:
+    the SDK's). The request's temperature is sent only under API version 2023-06-01 and
+    without thinking: the newer API refuses it.
     """
 
-    def __init__(
-        self,
-        config: ProviderConfig,
-        client: anthropic.Anthropic,
-        *,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        thinking: JsonObject | None = None,
-        api_version: str | None = None,
-    ) -> None:
+    def __init__(self, config: ProviderConfig, settings: AnthropicSettings, api_key: str) -> None:
         self.config = config
-        self._client = client
-        self._timeout_s = timeout_s
-        self._thinking = thinking
-        self._sends_temperature = api_version in _VERSIONS_WITH_TEMPERATURE
+        self._settings = settings
+        self._api_key = api_key
+        self._sends_temperature = settings.api_version in _VERSIONS_WITH_TEMPERATURE
+        self._thinking_on = settings.thinking is not None and settings.thinking.get("type") != "disabled"
         self._thinking_blocks: OrderedDict[str, list[JsonObject]] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
+        # Episodes of one trio run share a client when their settings and key agree.
+        self._client_key = (api_key, settings.base_url, settings.timeout_s,
+                            settings.max_connections, settings.api_version)
 
     @classmethod
     def from_config(cls, config: ProviderConfig) -> Self:
-        """Validate the settings and create the client; a missing API key fails here."""
-        from wmo_trio.providers import GENERIC_SETTINGS
-
-        settings = config.settings
-        known = _SETTINGS | GENERIC_SETTINGS
-        unknown = sorted(set(settings) - known)
-        if unknown:
-            raise ProviderConfigError(
-                f"anthropic provider: unknown settings {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
-            )
-        key_env = settings.get("api_key_env", DEFAULT_API_KEY_ENV)
-        if not isinstance(key_env, str) or not key_env:
-            raise ProviderConfigError("anthropic provider: api_key_env must name an environment variable")
-        base_url = settings.get("base_url")
-        if base_url is not None and (not isinstance(base_url, str) or not base_url):
-            raise ProviderConfigError("anthropic provider: base_url must be a URL string")
-        timeout_s = settings.get("timeout_s", DEFAULT_TIMEOUT_S)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not (
-            math.isfinite(timeout_s) and timeout_s > 0
-        ):
-            raise ProviderConfigError(
-                f"anthropic provider: timeout_s must be a positive number of seconds, got {timeout_s!r}"
-            )
-        max_connections = settings.get("max_connections")
-        if max_connections is not None and (
-            isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1
-        ):
-            raise ProviderConfigError(
-                f"anthropic provider: max_connections must be an integer >= 1, got {max_connections!r}"
-            )
-        thinking = _check_thinking(settings.get("thinking"))
-        api_version = settings.get("api_version")
-        if api_version is not None and (not isinstance(api_version, str) or not api_version.strip()):
-            raise ProviderConfigError(
-                f"anthropic provider: api_version must be an API version string such as "
-                f"'2023-06-01', got {api_version!r}"
-            )
-
-        api_key = os.environ.get(key_env, "").strip()
+        """Check the settings and that the API key is there; no SDK import, no client."""
+        settings: AnthropicSettings = AnthropicSettings.of(config)
+        api_key = os.environ.get(settings.api_key_env, "").strip()
         if not api_key:
             raise ProviderConfigError(
-                f"anthropic provider: no API key; set the environment variable {key_env} "
-                f"(or point the api_key_env setting at the variable that holds it)"
+                f"anthropic provider: no API key; set the environment variable "
+                f"{settings.api_key_env} (or point the api_key_env setting at the variable "
+                "that holds it)"
             )
-        http_client = None
-        if max_connections is not None:
-            http_client = anthropic.DefaultHttpxClient(
-                limits=httpx2.Limits(max_connections=max_connections,
-                                     max_keepalive_connections=max_connections)
-            )
-        client = anthropic.Anthropic(
-            api_key=api_key,
-            base_url=base_url,  # None lets the SDK read ANTHROPIC_BASE_URL
-            max_retries=0,  # retry.py decides; the SDK would obey retry-after without a cap
-            timeout=float(timeout_s),
-            http_client=http_client,
-            default_headers={"anthropic-version": api_version} if api_version else None,
-        )
-        return cls(config, client, timeout_s=float(timeout_s), thinking=thinking, api_version=api_version)
+        return cls(config, settings, api_key)
 
     # -- the call ------------------------------------------------------------------------
 
     def complete(self, request: ProviderRequest, control: CallControl) -> ProviderResponse:
         """One Messages API call.
 
-        If `control` is interrupted while the call is in flight, this raises
-        `ProviderInterrupted` within about 50 ms and abandons the HTTP call, which then
-        ends by its own timeout at the latest. The timeout is the episode's remaining
-        budget, capped by `timeout_s`.
+        If `control` is interrupted while the call is in flight, the call is cancelled at
+        once and this raises `ProviderInterrupted`. The call may take the episode's
+        remaining budget, capped by `timeout_s`; past that it is a retryable failure.
         """
         if self._closed:
             raise ProviderError("anthropic provider: closed")
         if control.interrupted:
             raise ProviderInterrupted("anthropic call not started: the episode was interrupted")
-        timeout = self._timeout_s
+        timeout = self._settings.timeout_s
         remaining = control.remaining()
         if remaining is not None:
             if remaining <= 0:
                 raise ProviderInterrupted("anthropic call not started: no wall-clock budget left")
             timeout = min(timeout, remaining)
         body = self.request_body(request)
+        try:
+            message = control.run_async(self._create, body, timeout)
+        except CallInterrupted:
+            raise ProviderInterrupted("anthropic call cancelled: the episode was interrupted") from None
+        except ProviderError:
+            raise
+        except Exception as error:
+            failure = self._provider_error(error)
+            if failure is None:  # not an API failure: a defect, which must stay visible as itself
+                raise
+            raise failure from error
+        return self._response(message)
+
+    async def _create(self, body: JsonObject, limit_s: float) -> anthropic.types.Message:
+        """The HTTP exchange, on the trio thread."""
+        import httpx2
+
+        client = await _run_clients().get(self._client_key, self._new_client)
         arguments = {key: value for key, value in body.items() if key in _SDK_ARGUMENTS}
         extra_body = {key: value for key, value in body.items() if key not in _SDK_ARGUMENTS}
-        http_timeout = httpx2.Timeout(timeout, connect=min(timeout, _CONNECT_TIMEOUT_S))
-        call = _BackgroundCall(lambda: self._client.messages.create(
-            **arguments, extra_body=extra_body or None, timeout=http_timeout))
+        # httpx's timeout bounds each network operation; the scope bounds the whole call.
+        with trio.move_on_after(limit_s):
+            message: anthropic.types.Message = await client.messages.create(
+                **arguments, extra_body=extra_body or None,
+                timeout=httpx2.Timeout(limit_s, connect=min(limit_s, _CONNECT_TIMEOUT_S)))
+            return message
+        raise ProviderError(f"anthropic call: no response within {limit_s:g} s", retryable=True)
 
-        # httpx's timeout bounds each network operation, not the whole exchange; the give-up
-        # time bounds the whole.
-        give_up = time.monotonic() + timeout
-        while not call.done.wait(_INTERRUPT_POLL_S):
-            if control.interrupted:
-                raise ProviderInterrupted("anthropic call abandoned: the episode was interrupted")
-            if time.monotonic() >= give_up:
-                raise ProviderError(f"anthropic call: no response within {timeout:g} s", retryable=True)
-        if call.error is not None:
-            failure = self._provider_error(call.error)
-            if failure is None:  # not an API failure: a defect, which must stay visible as itself
-                raise call.error
-            raise failure from call.error
-        if not isinstance(call.result, anthropic.types.Message):
-            raise ProviderError(f"anthropic call: unexpected result {type(call.result).__name__}")
-        return self._response(call.result)
+    def _new_client(self) -> anthropic.AsyncAnthropic:
+        """Import the SDK and build a client (about 20 ms, seconds for the first import):
+        called in a worker thread."""
+        import anthropic
+        import httpx2
+
+        limit = self._settings.max_connections
+        http_client = anthropic.DefaultAsyncHttpxClient(
+            limits=httpx2.Limits(max_connections=limit, max_keepalive_connections=limit))
+        version = self._settings.api_version
+        return anthropic.AsyncAnthropic(
+            api_key=self._api_key,
+            base_url=self._settings.base_url,  # None lets the SDK read ANTHROPIC_BASE_URL
+            max_retries=0,  # retry.py decides; the SDK would obey retry-after without a cap
+            timeout=self._settings.timeout_s,
+            http_client=http_client,
+            default_headers={"anthropic-version": version} if version else None,
+        )
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._client.close()
+        """Later calls fail. The shared client is closed when its trio run ends."""
+        self._closed = True
 
     # -- request mapping -----------------------------------------------------------------
 
     def request_body(self, request: ProviderRequest) -> JsonObject:
         """The JSON body of the Messages API request for `request`."""
-        thinking_on = self._thinking is not None and self._thinking.get("type") != "disabled"
         body: JsonObject = {
             "model": self.config.model,
             "max_tokens": request.max_output_tokens,
@@ -245,16 +242,17 @@ class AnthropicProvider:
                 {"name": tool.name, "description": tool.description, "input_schema": tool.parameters}
                 for tool in request.tools
             ]
-        if self._thinking is not None:
-            budget = self._thinking.get("budget_tokens")
+        thinking = self._settings.thinking
+        if thinking is not None:
+            budget = thinking.get("budget_tokens")
             if isinstance(budget, int) and request.max_output_tokens <= budget:
                 raise ProviderError(
                     f"anthropic provider: max_output_tokens ({request.max_output_tokens}) must be "
                     f"larger than thinking.budget_tokens ({budget})"
                 )
-            body["thinking"] = self._thinking
+            body["thinking"] = thinking
         # With thinking on, the API takes no temperature but its default.
-        if request.temperature is not None and self._sends_temperature and not thinking_on:
+        if request.temperature is not None and self._sends_temperature and not self._thinking_on:
             body["temperature"] = request.temperature
 
         messages = body["messages"]
@@ -340,6 +338,8 @@ class AnthropicProvider:
     # -- errors --------------------------------------------------------------------------
 
     def _provider_error(self, error: BaseException) -> ProviderError | None:
+        import anthropic  # imported already: an error came from the SDK's client
+
         if isinstance(error, anthropic.APIStatusError):
             status = error.status_code
             kind = error.type or "error"
@@ -363,27 +363,6 @@ class AnthropicProvider:
         return None
 
 
-class _BackgroundCall:
-    """Runs `fn` in a daemon thread; `done` is set once `result` or `error` is there.
-
-    Daemon, so that an abandoned call never holds up interpreter exit.
-    """
-
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self.done = threading.Event()
-        self.result: object = None
-        self.error: BaseException | None = None
-        threading.Thread(target=self._run, args=(fn,), name="wmo-anthropic-call", daemon=True).start()
-
-    def _run(self, fn: Callable[[], object]) -> None:
-        try:
-            self.result = fn()
-        except BaseException as error:
-            self.error = error
-        finally:
-            self.done.set()
-
-
 def _tool_call(call_id: str, name: str, arguments: object) -> ToolCall:
     if isinstance(arguments, dict):
         return ToolCall(id=call_id, name=name, arguments=dict(arguments))
@@ -394,24 +373,6 @@ def _tool_call(call_id: str, name: str, arguments: object) -> ToolCall:
     # The scripted provider's wording, so that a replayed conversation reads the same.
     return ToolCall(id=call_id, name=name, arguments=None, raw_arguments=raw,
                     parse_error="arguments are not a JSON object")
-
-
-def _check_thinking(value: object) -> JsonObject | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise ProviderConfigError(
-            'anthropic provider: thinking must be an object with a "type", for example '
-            '{"type": "enabled", "budget_tokens": 2048}'
-        )
-    if value["type"] == "enabled":
-        budget = value.get("budget_tokens")
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < MIN_THINKING_BUDGET:
-            raise ProviderConfigError(
-                f"anthropic provider: thinking.budget_tokens must be an integer >= "
-                f"{MIN_THINKING_BUDGET}, got {budget!r}"
-            )
-    return dict(value)
 
 
 def retry_after_seconds(headers: Mapping[str, str]) -> float | None:
@@ -438,3 +399,41 @@ def _seconds_until(http_date: str) -> float:
     if when.tzinfo is None:  # "-0000" dates: UTC, by RFC 5322
         when = when.replace(tzinfo=datetime.UTC)
     return when.timestamp() - time.time()
+
+
+class _RunClients:
+    """The clients of one trio run, one per configuration, closed when the run ends."""
+
+    def __init__(self) -> None:
+        self._clients: dict[object, Any] = {}
+        self._lock = trio.Lock()
+
+    async def get(self, key: object, build: Callable[[], Any]) -> Any:
+        client = self._clients.get(key)
+        if client is None:
+            async with self._lock:
+                client = self._clients.get(key)
+                if client is None:
+                    client = self._clients[key] = await trio.to_thread.run_sync(build)
+        return client
+
+    async def close_when_the_run_ends(self) -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                for client in self._clients.values():
+                    await client.close()
+
+
+_CLIENTS: trio.lowlevel.RunVar[_RunClients] = trio.lowlevel.RunVar("wmo_trio_anthropic_clients")
+
+
+def _run_clients() -> _RunClients:
+    try:
+        return _CLIENTS.get()
+    except LookupError:
+        clients = _RunClients()
+        _CLIENTS.set(clients)
+        trio.lowlevel.spawn_system_task(clients.close_when_the_run_ends)
+        return clients

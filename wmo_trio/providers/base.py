@@ -1,21 +1,22 @@
 """The provider interface: one structured tool-calling model call, as plain data.
 
-Providers are synchronous: the episode loop that calls them runs in a worker thread. A call
-is bounded by a `CallControl`, which the episode interrupts when it is aborted, cancelled
-or out of wall-clock budget; a provider must return (or raise `ProviderInterrupted`) soon
-after that, never leaving the worker blocked on a wait nobody wants any more.
+Providers are called synchronously, from the episode's worker thread, and wait only
+through the episode's `CallControl` (`wmo_trio.control`): an async SDK call goes to the
+trio run with `control.run_async`, a backoff with `control.sleep`. The episode interrupts
+the control when it is aborted, cancelled or out of wall-clock budget; the provider then
+raises `ProviderInterrupted`, never leaving the worker blocked on a wait nobody wants.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from enum import StrEnum
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from wmo_trio.control import CallControl as CallControl
 from wmo_trio.models import JsonObject, TokenUsage
+from wmo_trio.settings import NonEmptyText, NonNegativeSeconds, PositiveInt, Settings
 
 
 class FinishReason(StrEnum):
@@ -111,6 +112,32 @@ class ProviderConfigError(ValueError):
     """A provider configuration cannot work (unknown kind, missing key, bad setting)."""
 
 
+class RetrySettings(Settings):
+    """The `retry` setting: wmo_trio's retry policy (`wmo_trio.providers.retry`)."""
+
+    max_attempts: PositiveInt = 6
+    base_delay_s: NonNegativeSeconds = 1.0
+    max_delay_s: NonNegativeSeconds = 30.0
+    retry_after_cap_s: NonNegativeSeconds = 60.0
+
+
+class ProviderSettings(Settings):
+    """Settings every provider kind accepts; `build_provider` applies them around the
+    provider. Each kind's settings model extends this one."""
+
+    retry: RetrySettings | None = None
+    record: NonEmptyText | None = Field(
+        default=None, description="the path of a JSONL file every call is appended to")
+
+    @classmethod
+    def of(cls, config: ProviderConfig) -> Any:
+        """`config`'s settings, checked; a `ProviderConfigError` naming the bad ones."""
+        try:
+            return cls.parse(config.settings, where=f"{config.kind} provider: ")
+        except ValueError as error:
+            raise ProviderConfigError(str(error)) from None
+
+
 class ProviderError(Exception):
     """A model call failed.
 
@@ -137,42 +164,6 @@ class ProviderError(Exception):
 
 class ProviderInterrupted(ProviderError):
     """The call was abandoned because its episode was interrupted."""
-
-
-class CallControl:
-    """Interruption and deadline shared by every wait of one episode.
-
-    Thread-safe. `interrupt()` is sticky: once interrupted, every later `sleep` returns at
-    once, so a worker blocked in backoff or scripted latency wakes immediately.
-    """
-
-    def __init__(self, deadline: float | None = None) -> None:
-        self._interrupted = threading.Event()
-        self.deadline = deadline
-
-    def interrupt(self) -> None:
-        self._interrupted.set()
-
-    @property
-    def interrupted(self) -> bool:
-        return self._interrupted.is_set()
-
-    def remaining(self) -> float | None:
-        """Seconds until the deadline (never negative), or None without a deadline."""
-        if self.deadline is None:
-            return None
-        return max(0.0, self.deadline - time.monotonic())
-
-    def sleep(self, seconds: float) -> bool:
-        """Wait up to `seconds`, bounded by the deadline. False when cut short."""
-        remaining = self.remaining()
-        wait = seconds if remaining is None else min(seconds, remaining)
-        if self._interrupted.wait(max(0.0, wait)):
-            return False
-        return remaining is None or seconds <= remaining
-
-    def wait_interrupted(self, timeout: float | None = None) -> bool:
-        return self._interrupted.wait(timeout)
 
 
 @runtime_checkable

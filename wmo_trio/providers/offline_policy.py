@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable
 
 from wmo_trio.providers.base import ProviderRequest
-from wmo_trio.providers.scripted import ScriptedReply, ScriptedToolCall, first_user_message
+from wmo_trio.providers.script import ScriptedReply, ScriptedToolCall, first_user_message
 
 Plan = list[tuple[str, str, dict[str, str]]]  # (thought, tool, arguments)
 

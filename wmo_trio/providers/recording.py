@@ -26,7 +26,7 @@ from wmo_trio.providers.base import (
     ProviderRequest,
     ProviderResponse,
 )
-from wmo_trio.providers.scripted import ScriptedReply, ScriptedToolCall, first_user_message
+from wmo_trio.providers.script import ScriptedReply, ScriptedToolCall, first_user_message
 
 
 def call_key(request: ProviderRequest) -> str:

@@ -13,21 +13,19 @@ a 3600 s header sleeps an hour), so this is the only place that decides to try a
 
 from __future__ import annotations
 
-import math
 import random
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Self
 
 from wmo_trio.models import TokenUsage
 from wmo_trio.providers.base import (
     CallControl,
     Provider,
-    ProviderConfigError,
     ProviderError,
     ProviderInterrupted,
     ProviderRequest,
     ProviderResponse,
+    RetrySettings,
 )
 
 RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504, 529})
@@ -46,30 +44,9 @@ class RetryPolicy:
     rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
 
     @classmethod
-    def from_settings(cls, settings: dict[str, Any] | None) -> Self:
-        """Read a provider config's `retry` setting; unknown keys and bad values fail."""
-        if settings is not None and not isinstance(settings, Mapping):
-            raise ProviderConfigError(f"retry must be an object of settings, got {settings!r}")
-        settings = dict(settings or {})
-        fields = {"max_attempts": int, "base_delay_s": float, "max_delay_s": float,
-                  "retry_after_cap_s": float}
-        unknown = sorted(set(settings) - set(fields))
-        if unknown:
-            raise ProviderConfigError(
-                f"retry: unknown settings {', '.join(unknown)}; known: {', '.join(fields)}"
-            )
-        values: dict[str, Any] = {}
-        for name, value in settings.items():
-            ok = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
-            if fields[name] is int:
-                ok = ok and isinstance(value, int) and value >= 1
-            else:
-                ok = ok and value >= 0
-            if not ok:
-                kind = "an integer >= 1" if fields[name] is int else "a number >= 0"
-                raise ProviderConfigError(f"retry.{name} must be {kind}, got {value!r}")
-            values[name] = value
-        return cls(**values)
+    def from_settings(cls, settings: RetrySettings | None) -> Self:
+        """The policy of a provider config's `retry` setting (checked by its model)."""
+        return cls(**(settings or RetrySettings()).model_dump())
 
     def delay_before(self, attempt: int, error: ProviderError) -> float:
         """Seconds to wait before attempt number `attempt + 1` (attempts count from 1)."""

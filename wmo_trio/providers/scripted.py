@@ -2,7 +2,8 @@
 
 It answers from one of three sources, chosen by its settings:
 
-- `script`: a list of replies (inline, or a JSON file holding a list or `{"replies": [...]}`);
+- `script`: a list of replies (inline, or a JSON file holding a list or `{"replies": [...]}`;
+  the format is `wmo_trio.providers.script`);
 - `replay`: a JSONL recording written by `RecordingProvider` (see `recording.py`);
 - neither: the built-in offline policy, which knows the bundled example tasks.
 
@@ -10,8 +11,9 @@ The reply for a call is chosen from the request alone (the number of assistant m
 so far picks the script entry), so one provider can serve many concurrent episodes and
 every episode sees the same replies in the same order.
 
-Usage is an *estimate*: about one token per four characters of request and reply, computed
-deterministically so that traces and tests are reproducible. It is not a tokenizer count.
+Usage is an *estimate* unless a reply sets it: about one token per four characters of
+request and reply, computed deterministically so that traces and tests are reproducible.
+It is not a tokenizer count.
 """
 
 from __future__ import annotations
@@ -20,27 +22,28 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
+from wmo_trio.file_cache import parse_file_once
 from wmo_trio.models import TokenUsage
 from wmo_trio.providers.base import (
     CallControl,
     FinishReason,
-    Message,
     ProviderConfig,
     ProviderConfigError,
     ProviderError,
     ProviderInterrupted,
     ProviderRequest,
     ProviderResponse,
+    ProviderSettings,
     ToolCall,
 )
-
-ErrorKind = Literal[
-    "rate_limit", "overloaded", "server", "connection", "timeout", "bad_request", "unexpected"
-]
+from wmo_trio.providers.offline_policy import offline_policy
+from wmo_trio.providers.recording import load_replay
+from wmo_trio.providers.script import ScriptedError, ScriptedReply, ScriptedToolCall, load_script
+from wmo_trio.settings import NonNegativeSeconds
 
 # status and whether the retry policy may try again, per injected error kind
 _ERROR_KINDS: dict[str, tuple[int | None, bool]] = {
@@ -57,35 +60,13 @@ class ScriptedFailure(RuntimeError):
     """An injected failure of a kind no provider is expected to raise."""
 
 
-class ScriptedToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ScriptedSettings(ProviderSettings):
+    """Settings of the `scripted` kind."""
 
-    name: str
-    # An object is a well-formed call; a string is sent as raw arguments, which is how a
-    # script injects a malformed tool call (a string that is not a JSON object).
-    arguments: dict[str, Any] | str = Field(default_factory=dict)
-    id: str | None = None
-
-
-class ScriptedError(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    kind: ErrorKind
-    message: str = "injected failure"
-    retry_after: float | None = None
-
-
-class ScriptedReply(BaseModel):
-    """One scripted model reply, or an injected failure (`error`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    text: str = ""
-    tool_calls: list[ScriptedToolCall] = Field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    latency_s: float | None = Field(default=None, ge=0)
-    usage: TokenUsage | None = None
-    error: ScriptedError | None = None
+    script: list[Any] | str | None = Field(
+        default=None, description="a list of replies, or the path of a JSON file of them")
+    replay: str | None = Field(default=None, description="the path of a JSONL recording")
+    latency_s: NonNegativeSeconds = 0.0
 
 
 def _call_chars(call: ToolCall) -> int:
@@ -121,41 +102,11 @@ def _to_tool_call(call: ScriptedToolCall, turn: int, index: int) -> ToolCall:
     return ToolCall(id=call_id, name=call.name, arguments=parsed, raw_arguments=call.arguments)
 
 
-def load_script(source: str | Path | Sequence[Any]) -> list[ScriptedReply]:
-    """Validate a script (a list of replies, or a JSON file of one); errors say where."""
-    where = "script"
-    data: Any = source
-    if isinstance(source, str | Path):
-        where = str(source)
-        try:
-            data = json.loads(Path(source).read_text(encoding="utf-8"))
-        except OSError as error:
-            raise ProviderConfigError(f"cannot read script {where}: {error.strerror}") from None
-        except json.JSONDecodeError as error:
-            raise ProviderConfigError(
-                f"script {where} is not JSON: line {error.lineno} column {error.colno}: {error.msg}"
-            ) from None
-        if isinstance(data, dict) and "replies" in data:
-            data = data["replies"]
-    if not isinstance(data, list) or not data:
-        raise ProviderConfigError(f"{where}: a script is a non-empty list of replies")
-    replies = []
-    for index, entry in enumerate(data):
-        try:
-            replies.append(ScriptedReply.model_validate(entry))
-        except ValidationError as error:
-            problem = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'reply'}: {e['msg']}" for e in error.errors()
-            )
-            raise ProviderConfigError(f"{where}: reply {index}: {problem}") from None
-    return replies
-
-
 class ScriptedProvider:
     """Plays scripted replies; see the module docstring for the sources and the usage estimate.
 
-    Settings: `script` (list or path), `replay` (path), `latency_s` (default latency of every
-    call, seconds), `policy_latency_s` (alias kept for command-line use).
+    Settings (`ScriptedSettings`): `script` (list or path), `replay` (path), `latency_s`
+    (the latency of every call without one of its own, seconds).
     """
 
     def __init__(
@@ -173,32 +124,19 @@ class ScriptedProvider:
 
     @classmethod
     def from_config(cls, config: ProviderConfig) -> Self:
-        settings = config.settings
-        from wmo_trio.providers import GENERIC_SETTINGS
-
-        known = {"script", "replay", "latency_s", *GENERIC_SETTINGS}
-        unknown = sorted(set(settings) - known)
-        if unknown:
-            raise ProviderConfigError(
-                f"scripted provider: unknown settings {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
-            )
-        latency = settings.get("latency_s", 0.0)
-        if isinstance(latency, bool) or not isinstance(latency, int | float) or not (
-            math.isfinite(latency) and latency >= 0
-        ):
-            raise ProviderConfigError("scripted provider: latency_s must be a number >= 0")
-        if "script" in settings and "replay" in settings:
+        settings: ScriptedSettings = ScriptedSettings.of(config)
+        latency = settings.latency_s
+        if settings.script is not None and settings.replay is not None:
             raise ProviderConfigError("scripted provider: give either script or replay, not both")
-        if "script" in settings:
-            return cls(config, script=load_script(settings["script"]), latency_s=float(latency))
-        if "replay" in settings:
-            from wmo_trio.providers.recording import load_replay
-
-            return cls(config, answer=load_replay(settings["replay"]), latency_s=float(latency))
-        from wmo_trio.providers.offline_policy import offline_policy
-
-        return cls(config, answer=offline_policy, latency_s=float(latency))
+        if isinstance(settings.script, str):
+            script = parse_file_once(Path(settings.script), load_script)
+            return cls(config, script=script, latency_s=latency)
+        if settings.script is not None:
+            return cls(config, script=load_script(settings.script), latency_s=latency)
+        if settings.replay is not None:
+            answer = parse_file_once(Path(settings.replay), load_replay)
+            return cls(config, answer=answer, latency_s=latency)
+        return cls(config, answer=offline_policy, latency_s=latency)
 
     def _reply_for(self, request: ProviderRequest, turn: int) -> ScriptedReply:
         if self._answer is not None:
@@ -240,11 +178,3 @@ def _raise_injected(error: ScriptedError) -> None:
         status=status,
         retry_after=error.retry_after,
     )
-
-
-def first_user_message(messages: Sequence[Message]) -> str:
-    for message in messages:
-        if message.role == "user":
-            return message.content
-    return ""
-
