@@ -19,6 +19,7 @@ from typing import Any
 
 import outcome
 
+from wmo_trio.control import CallControl
 from wmo_trio.engine import Episode
 from wmo_trio.models import RunResult
 
@@ -44,20 +45,19 @@ def shutdown_executor() -> None:
         _executor, _executor_size = None, 0
 
 
-class BaselineCaller:
-    """Worker -> host loop, the original way: block on run_coroutine_threadsafe."""
+class BaselineControl(CallControl):
+    """Worker -> host loop, the original way: block on run_coroutine_threadsafe. The
+    original could not cancel a call in flight."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(host_loop=loop)
         self._loop = loop
 
-    def call(self, afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-        async def invoke() -> Any:
+    def run_host[T](self, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        async def invoke() -> T:
             return await afn(*args)
 
         return asyncio.run_coroutine_threadsafe(invoke(), self._loop).result()
-
-    def interrupt(self) -> None:
-        """The original could not cancel a call in flight."""
 
 
 async def _wait_until_done(future: asyncio.Future[Any]) -> bool:
@@ -83,7 +83,7 @@ async def _uncancellable(call: Callable[[], Any], executor: ThreadPoolExecutor) 
 async def run_episode(episode: Episode, *, workers: int = 64) -> RunResult:
     loop = asyncio.get_running_loop()
     executor = episode_executor(workers)
-    task = asyncio.ensure_future(loop.run_in_executor(executor, episode.run))
+    task = asyncio.ensure_future(loop.run_in_executor(executor, episode.run, BaselineControl(loop)))
     cancelled = False
     try:
         result: RunResult = await asyncio.shield(task)

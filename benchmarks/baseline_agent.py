@@ -2,14 +2,11 @@
 
 Same document handling, episode loop, adapter and traces; only the way the episode is run
 (`benchmarks.baseline.run_episode`) and the way its worker reaches harbor's loop (a
-blocking `run_coroutine_threadsafe`) differ, so a job with this agent against one with
-`WmoTrioHarborAgent` measures the engine and nothing else.
+blocking `run_coroutine_threadsafe`, `baseline.BaselineControl`) differ, so a job with
+this agent against one with `WmoTrioHarborAgent` measures the engine and nothing else.
 """
 
 from __future__ import annotations
-
-import asyncio
-import functools
 
 from benchmarks import baseline
 from wmo_trio.harbor import HarborEpisode, WmoTrioHarborAgent
@@ -18,9 +15,4 @@ from wmo_trio.models import RunResult
 
 class BaselineHarborAgent(WmoTrioHarborAgent):
     async def _run_episode(self, episode: HarborEpisode) -> RunResult:
-        return await baseline.run_episode(episode, workers=self._episode_workers)
-
-    def _new_episode(self, instruction: str, environment: object, context: object) -> HarborEpisode:
-        caller = functools.partial(baseline.BaselineCaller, asyncio.get_running_loop())
-        return HarborEpisode(self, instruction, environment, context,  # type: ignore[arg-type]
-                             caller_factory=caller)
+        return await baseline.run_episode(episode, workers=self._setup.settings.episode_workers)

@@ -26,13 +26,14 @@ from typing import Any
 import outcome
 
 from benchmarks import baseline
+from wmo_trio.control import CallControl
 from wmo_trio.episode.environment import CommandResult, ShellEnvironment
 from wmo_trio.episode.runtime import EpisodeRuntime
 from wmo_trio.harness import parse_harness
 from wmo_trio.models import RunResult, StopReason
 from wmo_trio.providers import ProviderConfig
 from wmo_trio.providers.scripted import ScriptedProvider, load_script
-from wmo_trio.trace import TraceWriter, trace_for
+from wmo_trio.trace import CANCELLED_BY_CALLER, trace_for, write_trace
 
 IMPLS = ("baseline", "thread", "guest", "trio-asyncio")
 DOC = parse_harness({"name": "bench", "surfaces": [
@@ -72,19 +73,15 @@ async def host_exec(latency: float) -> CommandResult:
 class SyntheticEnvironment(ShellEnvironment):
     """Every command is an asyncio sleep of `latency` seconds on the host loop."""
 
-    def __init__(self, caller: Any, latency: float) -> None:
-        self._caller = caller
+    def __init__(self, control: CallControl, latency: float) -> None:
+        self._control = control
         self._latency = latency
 
     def run_command(self, command: str) -> CommandResult:
-        result: CommandResult = self._caller.call(host_exec, self._latency)
-        return result
+        return self._control.run_host(host_exec, self._latency)
 
     def write_file_bytes(self, path: str, data: bytes) -> None:
         raise NotImplementedError
-
-    def interrupt(self) -> None:
-        self._caller.interrupt()
 
 
 class BenchEpisode:
@@ -102,20 +99,13 @@ class BenchEpisode:
 
     stop_is_quick = True  # an event and EpisodeRuntime.abort(): flags only
 
-    def _caller(self) -> Any:
-        if self.impl == "baseline":
-            return baseline.BaselineCaller(self.loop)
-        from wmo_trio.engine import HostCaller
-
-        return HostCaller()
-
-    def run(self) -> RunResult:
+    def run(self, control: CallControl) -> RunResult:
         self.worker_started = time.perf_counter()
-        runtime = EpisodeRuntime(DOC, self.provider, episode_timeout_s=3600,
+        runtime = EpisodeRuntime(DOC, self.provider, control=control, episode_timeout_s=3600,
                                  should_cancel=self.cancel.is_set)
         with self.lock:
             self.runtime = runtime
-        environment = SyntheticEnvironment(self._caller(), self.exec_latency)
+        environment = SyntheticEnvironment(control, self.exec_latency)
         return runtime.run("bench", "go", environment)
 
     def stop(self) -> None:
@@ -131,15 +121,15 @@ class BenchEpisode:
     def record(self, result: outcome.Outcome[RunResult], cancelled: bool) -> None:
         if self.trace_dir is not None:
             log = self.runtime.log if self.runtime else None
-            TraceWriter(self.trace_dir).write(trace_for("bench", result, cancelled=cancelled,
-                                                        log=log))
+            write_trace(self.trace_dir, trace_for(
+                "bench", result, cancelled=CANCELLED_BY_CALLER if cancelled else None, log=log))
 
 
 def _host(impl: str) -> Any:
     from wmo_trio.engine import LoopServingHost, TrioAsyncioHost
 
     if impl == "trio-asyncio":
-        return TrioAsyncioHost()
+        return TrioAsyncioHost(asyncio.get_running_loop())
     return LoopServingHost.for_loop(asyncio.get_running_loop(), impl)  # type: ignore[arg-type]
 
 
@@ -249,13 +239,12 @@ class RoundTrips(BenchEpisode):
         self.count = count
         self.per_call_us = 0.0
 
-    def run(self) -> RunResult:
-        caller = self._caller()
+    def run(self, control: CallControl) -> RunResult:
         started = time.perf_counter()
         for _ in range(self.count):
-            caller.call(host_exec, 0.0)
+            control.run_host(host_exec, 0.0)
         self.per_call_us = (time.perf_counter() - started) / self.count * 1e6
-        return super().run()
+        return super().run(control)
 
 
 async def round_trip(impl: str, count: int) -> dict[str, Any]:
@@ -326,7 +315,7 @@ class BridgeOnly:
     def __init__(self) -> None:
         self.stopped = threading.Event()
 
-    def run(self) -> RunResult:
+    def run(self, control: CallControl) -> RunResult:
         self.stopped.wait()
         return RunResult(task_id="bridge", steps=[], stop_reason=StopReason.CANCELLED, turns=0)
 

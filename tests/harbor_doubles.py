@@ -39,6 +39,7 @@ from harbor.environments.base import ExecResult
 from harbor.models.agent.context import AgentContext
 
 from wmo_trio.harbor import WmoTrioHarborAgent
+from wmo_trio.harbor._trajectory import TRAJECTORY_FILENAME
 from wmo_trio.providers import register_provider
 from wmo_trio.providers.base import (
     CallControl,
@@ -50,7 +51,7 @@ from wmo_trio.providers.base import (
     ProviderResponse,
 )
 from wmo_trio.providers.scripted import ScriptedProvider, load_script
-from wmo_trio.trace import TRACE_FILENAME, TRAJECTORY_FILENAME, Trace, parse_trace
+from wmo_trio.trace import TRACE_FILENAME, Trace, parse_trace
 
 # A small valid harness document: two prompts, the default tools, room for long episodes.
 HARNESS: dict[str, Any] = {

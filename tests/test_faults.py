@@ -52,7 +52,7 @@ from wmo_trio.engine import LoopServingHost
 from wmo_trio.episode.tools import MAX_OBSERVATION_CHARS
 from wmo_trio.harbor._agent import HarborEpisode
 from wmo_trio.models import RunResult, StopReason
-from wmo_trio.trace import CANCELLED_STOP_REASON, TRACE_FILENAME, PartialTrace, Trace
+from wmo_trio.trace import CANCELLED_BY_HARBOR_TIMEOUT, TRACE_FILENAME, PartialTrace, Trace
 
 ROOT = Path(__file__).resolve().parent.parent
 # Far longer than any fault here takes to be handled; only a hang gets near it.
@@ -193,7 +193,7 @@ def test_a_hanging_exec_is_cancelled_and_the_trial_returns_promptly_on_harbors_t
     assert outcome.ending == "timeout"
     assert outcome.seconds < 1.0 + cancel_cleanup_s + PROMPT_S
     trace = one_trace(tmp_path, writes, outcome)
-    assert isinstance(trace, PartialTrace) and trace.stop_reason == CANCELLED_STOP_REASON
+    assert isinstance(trace, PartialTrace) and trace.stop_reason == CANCELLED_BY_HARBOR_TIMEOUT
     [first, hung] = environment.calls
     assert first.ending == "returned"
     assert hung.ending == "cancelled"  # its own cleanup ran to the end, cancelled once
@@ -205,7 +205,7 @@ def test_a_hanging_exec_is_cancelled_and_the_trial_returns_promptly_on_harbors_t
     assert trace.worker_usage is not None and trace.worker_usage.calls == 2
     assert counts.of(trace.task_id) == {"run": 1, "stop": 1, "close": 1, "record": 1}
     assert outcome.context.metadata is not None
-    assert outcome.context.metadata["stop_reason"] == CANCELLED_STOP_REASON
+    assert outcome.context.metadata["stop_reason"] == CANCELLED_BY_HARBOR_TIMEOUT
 
 
 def test_a_cancelled_command_is_cancelled_once_and_its_cleanup_runs_to_the_end(
@@ -300,7 +300,7 @@ def test_a_storm_of_retryable_errors_is_ridden_out_by_the_retry_policy(
     trace = one_trace(tmp_path, writes, outcome)
     assert isinstance(trace, RunResult) and trace.stop_reason is StopReason.SUBMITTED
     assert trace.answer == "ok"
-    provider = agent._provider.inner  # RetryingProvider -> FaultyProvider
+    provider = agent.provider.inner  # RetryingProvider -> FaultyProvider
     assert provider.attempts == {0: 5, 1: 5, 2: 5}  # 4 failures then the reply, every turn
     assert [c.command for c in environment.calls] == ["echo one", "echo two"]
 
@@ -406,7 +406,7 @@ def test_timeout_before_the_first_step_leaves_an_empty_partial_trace(
     assert outcome.ending == "timeout"
     assert outcome.seconds < 0.5 + PROMPT_S
     trace = one_trace(tmp_path, writes, outcome)
-    assert isinstance(trace, PartialTrace) and trace.stop_reason == CANCELLED_STOP_REASON
+    assert isinstance(trace, PartialTrace) and trace.stop_reason == CANCELLED_BY_HARBOR_TIMEOUT
     assert trace.steps == [] and trace.turns == 0
     assert environment.calls == []
     done = counts.of(trace.task_id)
@@ -440,7 +440,7 @@ def test_timeout_during_a_model_call_keeps_the_steps_so_far_and_the_usage(
     assert outcome.ending == "timeout"
     assert outcome.seconds < 1.0 + PROMPT_S
     trace = one_trace(tmp_path, writes, outcome)
-    assert isinstance(trace, PartialTrace) and trace.stop_reason == CANCELLED_STOP_REASON
+    assert isinstance(trace, PartialTrace) and trace.stop_reason == CANCELLED_BY_HARBOR_TIMEOUT
     assert [s.action.arguments for s in trace.steps] == [{"command": "echo one"}]
     assert [c.command for c in environment.calls] == ["echo one"]
     assert trace.worker_usage is not None and trace.worker_usage.calls == 1
@@ -513,7 +513,7 @@ def test_timeout_during_cleanup_waits_for_cleanup_and_keeps_the_full_result(
 ) -> None:
     agent = make_agent(tmp_path, [bash("echo one"), submit("answer")], kind="faulty",
                        settings={"close_delay_s": 1.0})
-    provider = agent._provider.inner
+    provider = agent.provider.inner
     outcome, fired = drive(lambda: _timing_out_when(provider.close_started, agent,
                                                     FakeEnvironment(), cancels=cancels))
     assert fired > 0, "close() never started"
@@ -532,7 +532,7 @@ def test_timeout_during_cleanup_waits_for_cleanup_and_keeps_the_full_result(
 
 def test_timeout_during_cleanup_still_reports_stop_reason_to_harbor(tmp_path: Path) -> None:
     agent = make_agent(tmp_path, [submit("answer")], kind="faulty", settings={"close_delay_s": 0.5})
-    outcome, _ = drive(lambda: _timing_out_when(agent._provider.inner.close_started, agent,
+    outcome, _ = drive(lambda: _timing_out_when(agent.provider.inner.close_started, agent,
                                                 FakeEnvironment()))
     assert outcome.ending == "timeout"
     assert outcome.context.metadata is not None
@@ -560,7 +560,7 @@ def test_more_cancellations_while_a_stopping_episode_cleans_up_change_nothing(
     assert outcome.ending == "cancelled" and outcome.scoreable
     assert outcome.returned_at - fired >= 0.9  # it waited for the command's cleanup
     trace = one_trace(tmp_path, writes, outcome)
-    assert isinstance(trace, PartialTrace) and trace.stop_reason == CANCELLED_STOP_REASON
+    assert isinstance(trace, PartialTrace) and trace.stop_reason == CANCELLED_BY_HARBOR_TIMEOUT
     [hung] = environment.calls
     assert hung.ending == "cancelled"
     assert hung.ended is not None and hung.ended <= outcome.returned_at
@@ -634,7 +634,7 @@ def test_a_lost_trace_when_the_timeout_fires_during_cleanup_is_logged(
 ) -> None:
     writes.failure = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     agent = make_agent(tmp_path, [submit()], kind="faulty", settings={"close_delay_s": 0.5})
-    outcome, fired = drive(lambda: _timing_out_when(agent._provider.inner.close_started, agent,
+    outcome, fired = drive(lambda: _timing_out_when(agent.provider.inner.close_started, agent,
                                                     FakeEnvironment()))
     assert fired > 0 and outcome.ending == "timeout"
     assert writes.to(tmp_path) == 1
@@ -750,7 +750,7 @@ def test_a_failing_close_after_a_timeout_is_logged_and_the_timeout_stands(
                      kind="faulty", settings={"close_error": True}, timeout_sec=1.0)
     assert outcome.ending == "timeout"
     trace = one_trace(tmp_path, writes, outcome)
-    assert isinstance(trace, PartialTrace) and trace.stop_reason == CANCELLED_STOP_REASON
+    assert isinstance(trace, PartialTrace) and trace.stop_reason == CANCELLED_BY_HARBOR_TIMEOUT
     assert "closing an episode failed" in caplog.text
 
 

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -38,7 +39,7 @@ from harbor.models.trajectories import Trajectory
 from wmo_trio.harbor import AGENT_NAME, WmoTrioHarborAgent
 from wmo_trio.harness import load_harness
 from wmo_trio.models import ActionKind, RunResult
-from wmo_trio.trace import CANCELLED_STOP_REASON, PartialTrace, Trace, parse_trace
+from wmo_trio.trace import CANCELLED_BY_HARBOR, CANCELLED_BY_HARBOR_TIMEOUT, PartialTrace, Trace, parse_trace
 
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = REPO / "examples" / "harness.json"
@@ -256,7 +257,7 @@ def test_harbor_cli_trials_each_leave_a_valid_trace_and_atif_trajectory(
         assert trajectory.agent.name == AGENT_NAME
         if trial.task == "proof-of-work":
             assert isinstance(trace, PartialTrace)
-            assert trace.stop_reason == CANCELLED_STOP_REASON
+            assert trace.stop_reason == CANCELLED_BY_HARBOR_TIMEOUT
         else:
             assert isinstance(trace, RunResult)
             assert trace.stop_reason == "submitted"
@@ -403,7 +404,7 @@ def test_agent_timeout_leaves_a_partial_trace_with_the_steps_so_far_and_usage(
         trace = trial.trace
         assert isinstance(trace, PartialTrace), trial.describe()
         assert trace.partial is True
-        assert trace.stop_reason == CANCELLED_STOP_REASON
+        assert trace.stop_reason == CANCELLED_BY_HARBOR_TIMEOUT
         assert trace.answer == ""
         first, second = tool_steps(trace)[:2]
         assert first.action.arguments == {"command": "echo first"}
@@ -426,8 +427,40 @@ def test_agent_timeout_still_reports_usage_and_stop_reason_to_harbor(
         assert agent_result["n_input_tokens"] == usage.input_tokens > 0
         assert agent_result["n_cache_tokens"] == usage.cached_input_tokens > 0
         assert agent_result["n_output_tokens"] == usage.output_tokens > 0
-        assert agent_result["metadata"]["stop_reason"] == CANCELLED_STOP_REASON
+        assert agent_result["metadata"]["stop_reason"] == CANCELLED_BY_HARBOR_TIMEOUT
         assert agent_result["metadata"]["turns"] == trial.trace.turns
+
+
+@pytest.mark.harbor
+def test_an_interrupted_harbor_run_is_recorded_as_cancelled_by_harbor_not_as_a_timeout(
+    tmp_path: Path,
+) -> None:
+    # issue 15.7: Ctrl-C during a trial gave "cancelled-by-harbor-timeout".
+    recording = tmp_path / "calls.jsonl"
+    provider = scripted(tmp_path / "script.json", [
+        {"tool_calls": [call("bash", command="sleep 60")], "usage": SCRIPTED_USAGE},
+        {"tool_calls": [call("submit", answer="never")], "usage": SCRIPTED_USAGE},
+    ], record=str(recording))
+    task = make_task(tmp_path / "tasks", "slow-one", agent_timeout_sec=600)
+    job = harbor_run(tmp_path / "jobs", task, provider_config=provider).start()
+    assert job._process is not None
+    # The first model call is recorded when it returns: the episode is then in its command.
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (recording.is_file() and recording.read_text().count("\n") >= 1):
+        assert job._process.poll() is None, "harbor ended before the episode started"
+        assert time.monotonic() < deadline, "the episode never made its first model call"
+        time.sleep(0.05)
+    job._process.send_signal(signal.SIGINT)
+    try:
+        job._process.communicate(timeout=JOB_TIMEOUT_S)
+    finally:
+        if job._process.poll() is None:
+            os.killpg(job._process.pid, signal.SIGKILL)
+    [trace_file] = (tmp_path / "jobs").glob("*/*/agent/wmo-run.json")
+    trace = parse_trace(trace_file.read_bytes())
+    assert isinstance(trace, PartialTrace)
+    assert trace.stop_reason == CANCELLED_BY_HARBOR
+    assert [step.action.arguments for step in tool_steps(trace)] == [{"command": "sleep 60"}]
 
 
 @pytest.mark.harbor

@@ -19,31 +19,37 @@ harbor's asyncio code under trio-asyncio.
 
 from __future__ import annotations
 
-import base64
 import functools
+import json
 import math
 import os
-import shlex
 import signal
 import threading
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import outcome
 import trio
 
-from wmo_trio.engine import HostCaller, current_engine
-from wmo_trio.engine._hosts import call_asyncio
-from wmo_trio.episode.environment import MAX_COMMAND_TIMEOUT_SEC, CommandResult, ShellEnvironment
-from wmo_trio.episode.runtime import DEFAULT_EPISODE_TIMEOUT_S, EpisodeRuntime
+from wmo_trio.control import CallControl
+from wmo_trio.engine import call_asyncio, current_engine
+from wmo_trio.episode.environment import (
+    Command,
+    CommandResult,
+    ShellEnvironment,
+    staged,
+    write_file_plan,
+)
+from wmo_trio.episode.runtime import DEFAULT_EPISODE_TIMEOUT_S, EpisodeRuntime, check_episode_timeout
 from wmo_trio.episode.tools import decode_output
 from wmo_trio.harness import HarnessDoc, load_harness, parse_harness
 from wmo_trio.models import RunResult
 from wmo_trio.providers import Provider, ProviderConfig, build_provider
-from wmo_trio.trace import trace_for, trace_text, write_atomically
+from wmo_trio.settings import MAX_COMMAND_TIMEOUT_SEC, PositiveInt, checked
+from wmo_trio.trace import CANCELLED_BY_CALLER, trace_for, trace_text, write_atomically
 
 __all__ = [
     "EpisodePool",
@@ -118,34 +124,33 @@ class HarborEnvironment:
         return CommandResult(result.stdout or "", result.stderr or "", result.return_code)
 
     async def write_file(self, path: str, data: bytes) -> None:
-        # Through the command line, in pieces well below the kernel's argument limit.
-        quoted = shlex.quote(path)
-        chunks = [data[i:i + 48 * 1024] for i in range(0, len(data), 48 * 1024)] or [b""]
-        for number, chunk in enumerate(chunks):
-            encoded = base64.b64encode(chunk).decode("ascii")
-            redirect = ">" if number == 0 else ">>"
-            prefix = f'mkdir -p -- "$(dirname -- {quoted})" && ' if number == 0 else ""
-            result = await self.exec(f"{prefix}printf %s {encoded} | base64 -d {redirect} {quoted}")
-            if result.return_code != 0:
-                raise OSError(f"writing {path} failed: {result.stderr.strip()[:500]}")
+        plan = write_file_plan(path, data)
+        reply: CommandResult | None = None
+        while True:
+            try:
+                step = plan.send(reply)
+            except StopIteration:
+                return
+            if isinstance(step, Command):
+                reply = await self.exec(step.command)
+            else:
+                with staged(step.data) as source:
+                    await call_asyncio(self._environment.upload_file, source, step.target)
+                reply = None
 
 
 class _TrioEnvironmentAdapter(ShellEnvironment):
     """The episode's (synchronous) view of a trio environment, from the worker thread."""
 
-    def __init__(self, environment: TrioEnvironment, caller: HostCaller) -> None:
+    def __init__(self, environment: TrioEnvironment, control: CallControl) -> None:
         self._environment = environment
-        self._caller = caller
+        self._control = control
 
     def run_command(self, command: str) -> CommandResult:
-        result: CommandResult = self._caller.call_trio(self._environment.exec, command)
-        return result
+        return self._control.run_async(self._environment.exec, command)
 
     def write_file_bytes(self, path: str, data: bytes) -> None:
-        self._caller.call_trio(self._environment.write_file, path, data)
-
-    def interrupt(self) -> None:
-        self._caller.interrupt()
+        self._control.run_async(self._environment.write_file, path, data)
 
 
 @dataclass
@@ -160,40 +165,28 @@ class EpisodeSpec:
     episode_timeout: float = DEFAULT_EPISODE_TIMEOUT_S
     trace_path: str | Path | None = None
     context_window: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _as_doc(doc: HarnessDoc | Mapping[str, Any] | str | Path) -> HarnessDoc:
-    if isinstance(doc, HarnessDoc):
-        return doc
-    if isinstance(doc, str | Path):
-        return load_harness(doc)
-    return parse_harness(dict(doc))
 
 
 class _PoolEpisode:
     """An `Episode` (see `wmo_trio.engine.Episode`) for a trio-native environment."""
 
-    def __init__(self, spec: EpisodeSpec, doc: HarnessDoc, provider: Provider,
-                 owns_provider: bool) -> None:
+    # stop() sets an event and aborts an EpisodeRuntime, which only sets flags.
+    stop_is_quick = True
+
+    def __init__(self, spec: EpisodeSpec, doc: HarnessDoc, provider: Provider) -> None:
         self.spec, self.doc, self.provider = spec, doc, provider
-        self._owns_provider = owns_provider
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self.runtime: EpisodeRuntime | None = None
 
-    # stop() sets an event and aborts an EpisodeRuntime, which only sets flags.
-    stop_is_quick = True
-
-    def run(self) -> RunResult:
+    def run(self, control: CallControl) -> RunResult:
         runtime = EpisodeRuntime(
-            self.doc, self.provider, episode_timeout_s=self.spec.episode_timeout,
+            self.doc, self.provider, control=control, episode_timeout_s=self.spec.episode_timeout,
             should_cancel=self._cancel.is_set, context_window=self.spec.context_window,
-            owns_provider=self._owns_provider,
         )
         with self._lock:
             self.runtime = runtime
-        adapter = _TrioEnvironmentAdapter(self.spec.environment, HostCaller())
+        adapter = _TrioEnvironmentAdapter(self.spec.environment, control)
         return runtime.run(self.spec.task_id, self.spec.instruction, adapter)
 
     def stop(self) -> None:
@@ -206,15 +199,57 @@ class _PoolEpisode:
     def close(self) -> None:
         if self.runtime is not None:
             self.runtime.close()
-        elif self._owns_provider:
-            self.provider.close()
 
     def record(self, result: outcome.Outcome[RunResult], cancelled: bool) -> None:
         if self.spec.trace_path is None:
             return
         log = self.runtime.log if self.runtime is not None else None
-        trace = trace_for(self.spec.task_id, result, cancelled=cancelled, log=log)
+        trace = trace_for(self.spec.task_id, result,
+                          cancelled=CANCELLED_BY_CALLER if cancelled else None, log=log)
         write_atomically(Path(self.spec.trace_path), trace_text(trace))
+
+
+class _Resolved:
+    """Documents and providers of a pool, each resolved once, off the trio thread: a path
+    is read, a provider built (and later closed) in a worker thread."""
+
+    def __init__(self) -> None:
+        self._docs: dict[object, tuple[object, HarnessDoc]] = {}
+        self._providers: dict[str, Provider] = {}
+
+    async def doc(self, value: HarnessDoc | Mapping[str, Any] | str | Path) -> HarnessDoc:
+        if isinstance(value, HarnessDoc):
+            return value
+        # A path is read once; a mapping is parsed once per object.
+        key = str(value) if isinstance(value, str | Path) else id(value)
+        known = self._docs.get(key)
+        if known is None or (not isinstance(key, str) and known[0] is not value):
+            parsed = await trio.to_thread.run_sync(_as_doc, value)
+            known = self._docs[key] = (value, parsed)
+        return known[1]
+
+    async def provider(self, value: ProviderConfig | Mapping[str, Any] | Provider) -> Provider:
+        if not isinstance(value, ProviderConfig | Mapping):
+            return value  # the caller's own provider: the caller closes it
+        config = value.model_dump() if isinstance(value, ProviderConfig) else dict(value)
+        key = json.dumps(config, sort_keys=True, default=str)
+        provider = self._providers.get(key)
+        if provider is None:
+            provider = await trio.to_thread.run_sync(build_provider, config)
+            self._providers.setdefault(key, provider)
+        return self._providers[key]
+
+    def close(self) -> None:
+        for provider in self._providers.values():
+            provider.close()
+
+
+def _as_doc(doc: HarnessDoc | Mapping[str, Any] | str | Path) -> HarnessDoc:
+    if isinstance(doc, HarnessDoc):
+        return doc
+    if isinstance(doc, str | Path):
+        return load_harness(doc)
+    return parse_harness(dict(doc))
 
 
 class EpisodePool:
@@ -222,9 +257,10 @@ class EpisodePool:
     `open_episode_pool`."""
 
     def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._limiter = trio.CapacityLimiter(limit)
-        current_engine().ensure_workers(limit)
+        self.limit: int = checked(PositiveInt, limit, "limit")
+        self._limiter = trio.CapacityLimiter(self.limit)
+        self._resolved = _Resolved()
+        current_engine().ensure_workers(self.limit)
 
     async def run(
         self,
@@ -250,12 +286,10 @@ class EpisodePool:
             episode_timeout=episode_timeout, trace_path=trace_path, context_window=context_window))
 
     async def run_spec(self, spec: EpisodeSpec) -> RunResult:
-        doc = _as_doc(spec.doc)
-        if isinstance(spec.provider, ProviderConfig | Mapping):
-            provider, owns = build_provider(spec.provider), True
-        else:
-            provider, owns = spec.provider, False
-        episode = _PoolEpisode(spec, doc, provider, owns)
+        check_episode_timeout(spec.episode_timeout, name="episode_timeout")
+        doc = await self._resolved.doc(spec.doc)
+        provider = await self._resolved.provider(spec.provider)
+        episode = _PoolEpisode(spec, doc, provider)
         async with self._limiter:
             return await current_engine().run_episode(episode, workers=self.limit)
 
@@ -297,11 +331,12 @@ async def open_episode_pool(limit: int = 64) -> AsyncIterator[EpisodePool]:
     """A pool of at most `limit` concurrent episodes for this block; cancelling the
     enclosing scope cancels its episodes with the engine's guarantees. Opening it starts
     the engine's worker threads for `limit` episodes, so a fan-out starts at once."""
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"limit must be a positive integer, got {limit!r}")
     pool = EpisodePool(limit)
-    await current_engine().warm_workers(limit)
-    yield pool
+    await current_engine().warm_workers(pool.limit)
+    try:
+        yield pool
+    finally:
+        pool._resolved.close()
 
 
 async def run_harbor_job(config: Any) -> Any:

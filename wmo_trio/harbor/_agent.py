@@ -2,39 +2,79 @@
 
 Harbor owns the task environment and the verifier; this agent runs the episode host-side.
 Every keyword argument is checked in the constructor, so a bad candidate or configuration
-fails before harbor starts a single container.
+fails before harbor starts a single container. The constructor does no I/O beyond reading
+a document file once per process (harbor builds it on its event loop): the provider's SDK
+is imported, and its client built, in a worker thread on the first model call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import outcome
 from harbor.agents.base import BaseAgent
 from harbor.agents.capabilities import AgentCapabilities
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
+from pydantic import Field
 
 from wmo_trio import __version__
-from wmo_trio.engine import DEFAULT_EPISODE_WORKERS, HostCaller, host_for_running_loop
-from wmo_trio.episode.build import Runtime, build_runtime, check_backend
-from wmo_trio.episode.environment import MAX_COMMAND_TIMEOUT_SEC, check_command_timeout
-from wmo_trio.episode.runtime import DEFAULT_EPISODE_TIMEOUT_S, EpisodeLog, check_episode_timeout
+from wmo_trio.backends import build_runtime, check_backend
+from wmo_trio.control import CallControl
+from wmo_trio.engine import DEFAULT_EPISODE_WORKERS, host_for_running_loop
+from wmo_trio.episode.log import EpisodeLog
+from wmo_trio.episode.runtime import DEFAULT_EPISODE_TIMEOUT_S
+from wmo_trio.episode.services import system_prompt
 from wmo_trio.episode.tools import tool_spec
+from wmo_trio.file_cache import parse_file_once
 from wmo_trio.harbor._adapter import HarborEnvironmentAdapter
+from wmo_trio.harbor._trajectory import TrajectoryInfo, write_trajectory
 from wmo_trio.harness import HarnessDoc, HarnessError, load_harness, parse_harness
 from wmo_trio.models import RunResult
 from wmo_trio.providers import Provider, ProviderConfigError, build_provider, parse_provider_config
-from wmo_trio.trace import TraceWriter, TrajectoryInfo, trace_for
+from wmo_trio.settings import MAX_COMMAND_TIMEOUT_SEC, CommandTimeout, PositiveInt, PositiveSeconds, Settings
+from wmo_trio.trace import (
+    CANCELLED_BY_HARBOR,
+    CANCELLED_BY_HARBOR_TIMEOUT,
+    trace_for,
+    write_trace,
+)
 
 log = logging.getLogger("wmo_trio.harbor")
 
 AGENT_NAME = "wmo-harness"
+_DEADLINE_SLACK_S = 0.05
+
+
+class AgentSettings(Settings):
+    """The agent's numeric keyword arguments (README: "the agent's keyword arguments")."""
+
+    command_timeout_sec: CommandTimeout = MAX_COMMAND_TIMEOUT_SEC
+    episode_timeout_sec: PositiveSeconds = DEFAULT_EPISODE_TIMEOUT_S
+    episode_workers: PositiveInt = DEFAULT_EPISODE_WORKERS
+    context_window: Annotated[int, Field(ge=1024)] | None = Field(
+        default=None, description="null or an integer >= 1024")
+
+
+@dataclass(frozen=True)
+class EpisodeSetup:
+    """What an episode of the agent needs besides its provider: the candidate, where its
+    program runs and its limits."""
+
+    doc: HarnessDoc
+    backend: str
+    e2b_template: str | None
+    settings: AgentSettings
+    model_name: str | None
 
 
 def _load_harness_argument(value: object) -> HarnessDoc:
@@ -45,7 +85,7 @@ def _load_harness_argument(value: object) -> HarnessDoc:
             text = str(value).strip()
             if text.startswith("{"):  # a JSON document given as a string
                 return parse_harness(json.loads(text), source="harness")
-            return load_harness(Path(text).expanduser().resolve())
+            return parse_file_once(Path(text).expanduser().resolve(), load_harness)
         if isinstance(value, dict):
             return parse_harness(value, source="harness")
     except json.JSONDecodeError as error:
@@ -58,18 +98,56 @@ def _load_harness_argument(value: object) -> HarnessDoc:
     )
 
 
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
+_ARGUMENTS = frozenset({"harness", "provider_config", "harness_backend", "e2b_template",
+                        "command_timeout_sec", "episode_timeout_sec", "episode_workers",
+                        "context_window", "extra_env"})
 
 
-def _check_context_window(value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1024:
-        raise ValueError(f"context_window must be null or an integer >= 1024, got {value!r}")
-    return value
+def _checked_arguments(model_name: str | None, *, harness: Any = None,
+                       provider_config: Any = None, harness_backend: str = "local",
+                       e2b_template: str | None = None,
+                       command_timeout_sec: object = MAX_COMMAND_TIMEOUT_SEC,
+                       episode_timeout_sec: object = DEFAULT_EPISODE_TIMEOUT_S,
+                       episode_workers: object = DEFAULT_EPISODE_WORKERS,
+                       context_window: object = None, extra_env: dict[str, str] | None = None,
+                       check_model_name: bool = True) -> tuple[EpisodeSetup, Provider]:
+    """Every keyword argument checked, each failure a `ValueError` naming it; the setup of
+    the agent's episodes and the provider for its trial."""
+    if extra_env:
+        raise ValueError(
+            "extra_env is not supported: wmo_trio does not inject agent environment "
+            f"variables (got {sorted(extra_env)}); remove them from the agent config"
+        )
+    if harness is None:
+        raise ValueError("harness is required: pass a harness document or a path to one")
+    if provider_config is None:
+        raise ValueError("provider_config is required: pass a JSON object with kind and model")
+    doc = _load_harness_argument(harness)
+    if not isinstance(provider_config, dict):
+        raise ValueError(
+            f"provider_config must be a JSON object, got {type(provider_config).__name__}"
+        )
+    try:
+        config = parse_provider_config(provider_config)
+    except ProviderConfigError as error:
+        raise ValueError(f"provider_config: {error}") from None
+    if check_model_name and model_name != config.model_name:
+        raise ValueError(
+            f"model_name must be {config.model_name!r} (provider_config kind/model), "
+            f"got {model_name!r}"
+        )
+    check_backend(harness_backend, e2b_template)
+    settings: AgentSettings = AgentSettings.parse({
+        "command_timeout_sec": command_timeout_sec,
+        "episode_timeout_sec": episode_timeout_sec,
+        "episode_workers": episode_workers,
+        "context_window": context_window,
+    })
+    try:
+        provider = build_provider(config)
+    except ProviderConfigError as error:
+        raise ValueError(f"provider_config: {error}") from None
+    return EpisodeSetup(doc, harness_backend, e2b_template, settings, model_name), provider
 
 
 class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no type information
@@ -95,49 +173,31 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         harbor's own arguments (`logger`, `mcp_servers`, `skills_dir`, and whatever later
         releases add) go on to `BaseAgent` untouched.
         """
-        if extra_env:
-            raise ValueError(
-                "extra_env is not supported: wmo_trio does not inject agent environment "
-                f"variables (got {sorted(extra_env)}); remove them from the agent config"
-            )
-        if harness is None:
-            raise ValueError("harness is required: pass a harness document or a path to one")
-        if provider_config is None:
-            raise ValueError("provider_config is required: pass a JSON object with kind and model")
-        doc = _load_harness_argument(harness)
-        if not isinstance(provider_config, dict):
-            raise ValueError(
-                f"provider_config must be a JSON object, got {type(provider_config).__name__}"
-            )
-        try:
-            config = parse_provider_config(provider_config)
-        except ProviderConfigError as error:
-            raise ValueError(f"provider_config: {error}") from None
-        if model_name != config.model_name:
-            raise ValueError(
-                f"model_name must be {config.model_name!r} (provider_config kind/model), "
-                f"got {model_name!r}"
-            )
-        check_backend(harness_backend, e2b_template)
-        self._command_timeout_sec = check_command_timeout(command_timeout_sec)
-        self._episode_timeout_sec = check_episode_timeout(episode_timeout_sec)
-        self._episode_workers = _check_positive_int("episode_workers", episode_workers)
-        self._context_window = _check_context_window(context_window)
-        try:
-            provider = build_provider(config)
-        except ProviderConfigError as error:
-            raise ValueError(f"provider_config: {error}") from None
+        setup, provider = _checked_arguments(
+            model_name, harness=harness, provider_config=provider_config,
+            harness_backend=harness_backend, e2b_template=e2b_template,
+            command_timeout_sec=command_timeout_sec, episode_timeout_sec=episode_timeout_sec,
+            episode_workers=episode_workers, context_window=context_window, extra_env=extra_env)
         super().__init__(logs_dir, model_name, **harbor_kwargs)
-        self._doc = doc
-        self._provider: Provider = provider
-        self._harness_backend = harness_backend
-        self._e2b_template = e2b_template
-        if doc.runtime_code is not None and harness_backend == "local":
+        self._setup = setup
+        self._provider = provider
+        if setup.doc.runtime_code is not None and harness_backend == "local":
             self.logger.warning(
                 "harness %s: code:runtime runs in this process with the host's rights "
                 "(trusted code only); use harness_backend='e2b' for mutated candidates",
-                doc.name,
+                setup.doc.name,
             )
+
+    @classmethod
+    def preflight(cls, kwargs: dict[str, Any] | None = None,
+                  env: Mapping[str, str] | None = None) -> None:
+        """Harbor calls this once per job, before any trial: every argument is checked
+        here already, and the files trials need (the document, a provider's script) are
+        read now, so no trial reads them on harbor's loop."""
+        super().preflight(kwargs, env)
+        arguments = {name: value for name, value in (kwargs or {}).items()
+                     if name in _ARGUMENTS}
+        _checked_arguments(None, check_model_name=False, **arguments)
 
     @staticmethod
     def name() -> str:
@@ -148,13 +208,18 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
 
     @property
     def doc(self) -> HarnessDoc:
-        return self._doc
+        return self._setup.doc
+
+    @property
+    def provider(self) -> Provider:
+        """The provider built for this agent's trial; its episode closes it."""
+        return self._provider
 
     async def setup(self, environment: BaseEnvironment) -> None:
         """Nothing to install: the episode runs host-side. Start the engine's worker
         threads now, so trials that start together do not each create one in `run()`."""
         try:
-            await host_for_running_loop().prepare(self._episode_workers)
+            await host_for_running_loop().prepare(self._setup.settings.episode_workers)
         except Exception:
             log.warning("starting worker threads ahead of time failed; each episode will "
                         "start its own", exc_info=True)
@@ -163,18 +228,17 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
                   context: AgentContext) -> None:
         """Run the episode on the trio engine; see `HarborEpisode` for what happens when
         harbor cancels it."""
-        context.metadata = {**(context.metadata or {}), "candidate_doc_hash": self._doc.doc_hash}
-        episode = self._new_episode(instruction, environment, context)
-        result = await self._run_episode(episode)
-        context.metadata = {
-            **(context.metadata or {}),
-            "stop_reason": result.stop_reason.value,
-            "turns": result.turns,
-        }
-
-    def _new_episode(self, instruction: str, environment: BaseEnvironment,
-                     context: AgentContext) -> HarborEpisode:
-        return HarborEpisode(self, instruction, environment, context)
+        context.metadata = {**(context.metadata or {}), "candidate_doc_hash": self.doc.doc_hash}
+        # Harbor builds an agent per trial and runs it once: its episode takes over the
+        # provider and closes it in its cleanup.
+        episode = HarborEpisode(
+            self._setup, self._provider, instruction, environment, context,
+            logs_dir=Path(self.logs_dir),
+            task_id=str(self.context_id or self.session_id or "harbor-task"),
+            session_id=self.session_id, timed_out=_harbor_timeout(),
+        )
+        # The episode's record() sets the context's stop_reason and turns, however it ends.
+        await self._run_episode(episode)
 
     async def _run_episode(self, episode: HarborEpisode) -> RunResult:
         try:
@@ -183,66 +247,82 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
             # Nothing ran, but the trial still gets its trace, as every trial does.
             episode.record(outcome.Error(error), cancelled=False)
             raise
-        return await host.run_episode(episode, workers=self._episode_workers)
+        return await host.run_episode(episode, workers=self._setup.settings.episode_workers)
 
-    def _trajectory_info(self, runtime: Runtime | None, instruction: str) -> TrajectoryInfo:
-        return TrajectoryInfo(
-            agent_name=AGENT_NAME,
-            agent_version=__version__,
-            model_name=self.model_name,
-            session_id=self.session_id,
-            system_prompt=runtime.system_prompt() if runtime else self._doc.system_prompt,
-            instruction=instruction,
-            tools=[tool_spec(name).model_dump() for name in self._doc.tools],
-            extra={"candidate_doc_hash": self._doc.doc_hash, "harness": self._doc.name},
-        )
+
+def _harbor_timeout() -> Callable[[], bool] | None:
+    """A way to tell, when the episode is cancelled, whether harbor's agent timeout did it;
+    None when harbor set no timeout.
+
+    Harbor awaits `run()` inside `asyncio.wait_for(run(...), timeout)`, in the same task, so
+    the frames just above this coroutine's hold its timeout: an `asyncio.Timeout` bound to
+    a name (asked whether it `expired()`), or `wait_for`'s `timeout` argument (a deadline
+    on the monotonic clock, less a little slack for harbor's own earlier clock reading).
+    """
+    frame = sys._getframe(2)  # the frame that awaits run()
+    for _ in range(8):
+        if frame is None:
+            return None
+        for value in frame.f_locals.values():
+            if isinstance(value, asyncio.Timeout):
+                return value.expired
+        if frame.f_code is asyncio.wait_for.__code__:
+            timeout = frame.f_locals.get("timeout")
+            if isinstance(timeout, int | float) and not isinstance(timeout, bool):
+                deadline = time.monotonic() + timeout - _DEADLINE_SLACK_S
+                return lambda: time.monotonic() >= deadline
+            return None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 class HarborEpisode:
-    """One trial's episode, as the engine drives it (see `wmo_trio.engine.Episode`).
+    """One trial's episode, as the engine drives it (see `wmo_trio.engine.Episode`). It owns
+    `provider`, which it closes in its cleanup.
 
     When harbor cancels the agent: `stop()` makes `should_cancel` true and aborts the
-    runtime (which cancels the environment command in flight); the engine waits for the
-    worker, then `close()` and `record()` run shielded, then the cancellation propagates.
+    runtime (the engine then cancels the environment command in flight); the engine waits
+    for the worker, then `close()` and `record()` run shielded, then the cancellation
+    propagates. The partial trace says whether harbor's agent timeout or something else
+    (an interrupted `harbor run`) cancelled it.
     """
 
-    def __init__(self, agent: WmoTrioHarborAgent, instruction: str,
-                 environment: BaseEnvironment, context: AgentContext, *,
-                 caller_factory: Callable[[], Any] = HostCaller) -> None:
-        self._agent = agent
-        self._caller_factory = caller_factory
+    def __init__(self, setup: EpisodeSetup, provider: Provider, instruction: str,
+                 environment: BaseEnvironment, context: AgentContext, *, logs_dir: Path, task_id: str,
+                 session_id: str | None, timed_out: Callable[[], bool] | None) -> None:
+        self._setup = setup
+        self._provider = provider
         self._instruction = instruction
         self._environment = environment
         self._context = context
+        self._logs_dir = logs_dir
+        self._session_id = session_id
+        self._timed_out = timed_out
         self._cancel = threading.Event()
         self._lock = threading.Lock()
-        self._runtime: Runtime | None = None
+        self._runtime: Any = None
         self._log: EpisodeLog | None = None
-        self.task_id = str(agent.context_id or agent.session_id or "harbor-task")
+        self.task_id = task_id
         # Aborting a local runtime only sets flags; aborting an E2B one kills its sandbox
         # over the network, so the engine gives that stop a thread of its own.
-        self.stop_is_quick = agent._harness_backend == "local"
+        self.stop_is_quick = setup.backend == "local"
+        self._cancel_reason: str | None = None
 
-    def run(self) -> RunResult:
-        agent = self._agent
+    def run(self, control: CallControl) -> RunResult:
+        setup = self._setup
         # A task environment is mutable: an e2b transport failure is never replayed
         # against one an earlier attempt may have changed.
         runtime = build_runtime(
-            agent.doc,
-            agent._provider,
-            backend=agent._harness_backend,
-            e2b_template=agent._e2b_template,
-            episode_timeout_s=agent._episode_timeout_sec,
-            should_cancel=self._cancel.is_set,
-            context_window=agent._context_window,
-            on_progress=self._report_usage,
-            transport_retries=0,
+            setup.doc, self._provider, control=control, backend=setup.backend,
+            e2b_template=setup.e2b_template,
+            episode_timeout_s=setup.settings.episode_timeout_sec,
+            should_cancel=self._cancel.is_set, context_window=setup.settings.context_window,
+            on_progress=self._report_usage, transport_retries=0,
         )
         with self._lock:
             self._runtime, self._log = runtime, runtime.log
-        adapter = HarborEnvironmentAdapter(
-            self._environment, self._caller_factory(), command_timeout_sec=agent._command_timeout_sec
-        )
+        adapter = HarborEnvironmentAdapter(self._environment, control,
+                                           command_timeout_sec=setup.settings.command_timeout_sec)
         return runtime.run(self.task_id, self._instruction, adapter)
 
     def _report_usage(self, log: EpisodeLog) -> None:
@@ -255,6 +335,7 @@ class HarborEpisode:
         self._context.n_output_tokens = usage.output_tokens
 
     def stop(self) -> None:
+        self._note_cancelled()
         self._cancel.set()
         with self._lock:
             runtime = self._runtime
@@ -264,20 +345,34 @@ class HarborEpisode:
     def close(self) -> None:
         with self._lock:
             runtime = self._runtime
-        if runtime is not None:
-            runtime.close()
-        self._agent._provider.close()
+        try:
+            if runtime is not None:
+                runtime.close()
+        finally:
+            self._provider.close()  # this episode's own: see WmoTrioHarborAgent.run
+
+    def _note_cancelled(self) -> None:
+        """Say, as the cancellation arrives, whether harbor's timeout sent it."""
+        if self._cancel_reason is None:
+            timed_out = self._timed_out is not None and self._timed_out()
+            self._cancel_reason = CANCELLED_BY_HARBOR_TIMEOUT if timed_out else CANCELLED_BY_HARBOR
 
     def record(self, result: outcome.Outcome[RunResult], cancelled: bool) -> None:
-        trace = trace_for(self.task_id, result, cancelled=cancelled, log=self._log)
-        self._context.metadata = {
-            **(self._context.metadata or {}),
-            "stop_reason": str(trace.stop_reason),
-            "turns": trace.turns,
-        }
-        TraceWriter(self._agent.logs_dir).write(
-            trace,
-            trajectory=self._agent._trajectory_info(self._runtime, self._instruction),
-            log=self._log,
-        )
-
+        if cancelled:
+            self._note_cancelled()
+        trace = trace_for(self.task_id, result, cancelled=self._cancel_reason if cancelled else None,
+                          log=self._log)
+        self._context.metadata = {**(self._context.metadata or {}),
+                                  "stop_reason": str(trace.stop_reason), "turns": trace.turns}
+        write_trace(self._logs_dir, trace)
+        setup = self._setup
+        write_trajectory(self._logs_dir, trace, TrajectoryInfo(
+            agent_name=AGENT_NAME,
+            agent_version=__version__,
+            model_name=setup.model_name,
+            session_id=self._session_id,
+            system_prompt=system_prompt(setup.doc),
+            instruction=self._instruction,
+            tools=[tool_spec(name).model_dump() for name in setup.doc.tools],
+            extra={"candidate_doc_hash": setup.doc.doc_hash, "harness": setup.doc.name},
+        ), self._log)
