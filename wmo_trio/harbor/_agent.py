@@ -7,7 +7,6 @@ fails before harbor starts a single container.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from wmo_trio.episode.environment import MAX_COMMAND_TIMEOUT_SEC, check_command_
 from wmo_trio.episode.runtime import DEFAULT_EPISODE_TIMEOUT_S, EpisodeLog, check_episode_timeout
 from wmo_trio.episode.tools import tool_spec
 from wmo_trio.harbor._adapter import HarborEnvironmentAdapter
-from wmo_trio.harness import HarnessDoc, HarnessError, load_harness, parse_harness
+from wmo_trio.harness import HarnessDoc, HarnessError, harness_from
 from wmo_trio.models import RunResult
 from wmo_trio.providers import Provider, ProviderConfigError, build_provider, parse_provider_config
 from wmo_trio.trace import TraceWriter, TrajectoryInfo, trace_for
@@ -35,27 +34,6 @@ from wmo_trio.trace import TraceWriter, TrajectoryInfo, trace_for
 log = logging.getLogger("wmo_trio.harbor")
 
 AGENT_NAME = "wmo-harness"
-
-
-def _load_harness_argument(value: object) -> HarnessDoc:
-    try:
-        if isinstance(value, HarnessDoc):
-            return value
-        if isinstance(value, str | Path):
-            text = str(value).strip()
-            if text.startswith("{"):  # a JSON document given as a string
-                return parse_harness(json.loads(text), source="harness")
-            return load_harness(Path(text).expanduser().resolve())
-        if isinstance(value, dict):
-            return parse_harness(value, source="harness")
-    except json.JSONDecodeError as error:
-        raise ValueError(f"harness: not a JSON object: {error.msg}") from None
-    except HarnessError as error:
-        raise ValueError(f"harness: {error}") from None
-    raise ValueError(
-        "harness must be a harness document (a JSON object) or the path of a JSON file, "
-        f"got {type(value).__name__}"
-    )
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -104,7 +82,10 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
             raise ValueError("harness is required: pass a harness document or a path to one")
         if provider_config is None:
             raise ValueError("provider_config is required: pass a JSON object with kind and model")
-        doc = _load_harness_argument(harness)
+        try:
+            doc = harness_from(harness)
+        except HarnessError as error:
+            raise ValueError(f"harness: {error}") from None
         if not isinstance(provider_config, dict):
             raise ValueError(
                 f"provider_config must be a JSON object, got {type(provider_config).__name__}"
