@@ -125,3 +125,67 @@ def test_an_invalid_document_is_bad_input_for_doc_commands(tmp_path: Path) -> No
 
 def test_trace_of_a_missing_path_is_bad_input(tmp_path: Path) -> None:
     _assert_bad_input(wmo_trio("trace", str(tmp_path / "nothing"), cwd=tmp_path), "does not exist")
+
+
+def _hostile_document(tmp_path: Path, case: str) -> Path:
+    path = tmp_path / f"{case}.json"
+    valid = {"name": "t", "surfaces": [{"id": "prompt:core", "kind": "prompt", "content": "x"}]}
+    if case == "deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif case == "latin1":
+        path.write_bytes(json.dumps({**valid, "name": "café"}, ensure_ascii=False).encode("latin-1"))
+    elif case == "bigint":
+        path.write_text(json.dumps(valid).replace('"name"', '"version": ' + "9" * 5000 + ', "name"'))
+    elif case == "surrogate":
+        path.write_text(json.dumps({**valid, "name": "a\ud800b"}))  # written as a \ud800 escape
+    elif case == "fifo":
+        os.mkfifo(path)
+    elif case == "many":
+        surfaces = [{"id": f"param:p{i}", "kind": "param", "content": "1"} for i in range(100_000)]
+        path.write_text(json.dumps({**valid, "surfaces": [*valid["surfaces"], *surfaces]}))
+    return path
+
+
+@pytest.mark.parametrize(("case", "fragment"), [
+    ("deep", "nests arrays and objects more than 16 levels deep"),
+    ("latin1", "is not UTF-8 text"),
+    ("bigint", "a number of 5,000 digits"),
+    ("surrogate", "name: is not valid text"),
+    ("fifo", "it is a FIFO (named pipe), not a regular file"),
+    ("many", "its limit is 1,000 surfaces"),
+])
+@pytest.mark.parametrize("command", ["validate", "hash"])
+def test_a_hostile_document_is_one_line_exit_2(tmp_path: Path, case: str, fragment: str,
+                                               command: str) -> None:
+    path = _hostile_document(tmp_path, case)
+    # A FIFO used to hang the command: the timeout turns that into a failure, not a pass.
+    completed = wmo_trio("doc", command, str(path), cwd=tmp_path, timeout=120)
+    _assert_bad_input(completed, str(path), fragment)
+    assert completed.stdout == ""
+
+
+def test_doc_validate_prints_the_hash_on_the_same_line_when_piped(tmp_path: Path) -> None:
+    document = json.loads((ROOT / "examples/harness.json").read_text())
+    document["name"] = "a-candidate-with-a-name-long-enough-to-need-wrapping-" * 2
+    path = tmp_path / ("a-directory-with-a-long-name-" * 3) / "candidate.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(document))
+    completed = wmo_trio("doc", "validate", str(path), cwd=tmp_path)
+    assert completed.returncode == 0, completed.stderr
+    expected_hash = load_harness(path).doc_hash
+    assert completed.stdout.count("\n") == 1 and len(completed.stdout) > 200
+    assert completed.stdout.startswith(f"{path}: valid (")
+    assert completed.stdout.endswith(f"; hash {expected_hash})\n")
+
+
+def test_doc_validate_summarises_unread_parameters_in_one_note(tmp_path: Path) -> None:
+    surfaces = [{"id": "prompt:core", "kind": "prompt", "content": "x"},
+                *({"id": f"param:extra-{i}", "kind": "param", "content": "1"} for i in range(30))]
+    path = tmp_path / "extra.json"
+    path.write_text(json.dumps({"name": "t", "surfaces": surfaces}))
+    completed = wmo_trio("doc", "validate", str(path), cwd=tmp_path)
+    assert completed.returncode == 0, completed.stderr
+    notes = completed.stderr.splitlines()
+    assert len(notes) == 1 and notes[0].startswith("note: 30 parameter surfaces wmo_trio does "
+                                                   "not read, kept and hashed: param:extra-0, ")
+    assert notes[0].endswith(" and 25 more")

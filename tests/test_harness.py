@@ -2,21 +2,39 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import itertools
 import json
+import os
+import pickle
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
+from wmo_trio.harbor import WmoTrioHarborAgent
 from wmo_trio.harness import (
     DEFAULT_TOOLS,
+    MAX_CONTENT_CHARS,
+    MAX_DOCUMENT_BYTES,
+    MAX_ID_CHARS,
+    MAX_NAME_CHARS,
+    MAX_NESTING,
+    MAX_NUMBER_DIGITS,
+    MAX_SURFACES,
     HarnessDoc,
     HarnessError,
+    Surface,
+    harness_from,
     load_harness,
     parse_harness,
+    parse_harness_json,
 )
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "harness.json"
@@ -335,3 +353,507 @@ def test_loading_reports_json_syntax_errors_with_a_position(tmp_path: Path) -> N
 def test_loading_a_missing_file_says_so(tmp_path: Path) -> None:
     with pytest.raises(HarnessError, match="cannot read harness document"):
         load_harness(tmp_path / "missing.json")
+
+
+# -- hostile input: every entry refuses it with one HarnessError, within documented limits ------
+
+
+def write(tmp_path: Path, name: str, content: str | bytes) -> Path:
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    return path
+
+
+def refusal(path: Path) -> str:
+    """Load `path`, expect a HarnessError naming it; return the message."""
+    with pytest.raises(HarnessError) as error:
+        load_harness(path)
+    message = str(error.value)
+    assert str(path) in message and "\n" not in message
+    return message
+
+
+def test_json_nested_100000_deep_is_refused_naming_the_limit(tmp_path: Path) -> None:
+    path = write(tmp_path, "deep.json", "[" * 100_000 + "]" * 100_000)
+    assert f"more than {MAX_NESTING} levels deep" in refusal(path)
+
+
+def test_nesting_up_to_the_limit_reaches_validation_and_one_more_level_does_not() -> None:
+    def nested(levels: int) -> str:  # the document object is level 1
+        return '{"name": ' + "[" * (levels - 1) + "]" * (levels - 1) + ', "surfaces": []}'
+
+    with pytest.raises(HarnessError) as at_limit:
+        parse_harness_json(nested(MAX_NESTING))
+    assert "levels deep" not in str(at_limit.value) and "name" in str(at_limit.value)
+    with pytest.raises(HarnessError, match=f"more than {MAX_NESTING} levels deep"):
+        parse_harness_json(nested(MAX_NESTING + 1))
+
+
+def test_brackets_and_digits_inside_strings_are_only_text() -> None:
+    prompt = '[{"' * 5_000 + "]\\\"}" * 5_000 + "9" * 5_000
+    parsed = parse_harness_json(json.dumps(doc(surface("prompt:brackets", prompt))))
+    assert parsed.surface("prompt:brackets") == Surface(id="prompt:brackets", kind="prompt",
+                                                        content=prompt)
+
+
+def test_bytes_that_are_not_utf8_are_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, "latin1.json", json.dumps(doc()).replace("be good", "café").encode("latin-1"))
+    assert "is not UTF-8 text: byte 0xe9" in refusal(path)
+
+
+def test_an_integer_of_5000_digits_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, "bigint.json", json.dumps(doc()).replace('"name"', '"version": '
+                                                                    + "9" * 5_000 + ', "name"'))
+    assert f"a number of 5,000 digits, over the limit of {MAX_NUMBER_DIGITS}" in refusal(path)
+
+
+def test_integers_are_bounded_in_digits_and_in_value() -> None:
+    text = json.dumps(doc(version=1))
+    with pytest.raises(HarnessError, match="less than or equal to"):
+        parse_harness_json(text.replace('"version": 1', '"version": ' + "9" * MAX_NUMBER_DIGITS))
+    with pytest.raises(HarnessError, match=f"over the limit of {MAX_NUMBER_DIGITS}"):
+        parse_harness_json(text.replace('"version": 1',
+                                        '"version": ' + "9" * (MAX_NUMBER_DIGITS + 1)))
+    # A mapping skips the JSON text, not the bound; the error never prints the huge number.
+    with pytest.raises(HarnessError, match="version: Input should be less than or equal to"):
+        parse_harness(doc(version=10**5000))
+    with pytest.raises(HarnessError, match="budget: Input should be less than or equal to"):
+        parse_harness(doc(surface("prompt:b", "x", budget=10**5000)))
+
+
+def test_a_param_of_5000_digits_is_refused_naming_the_surface() -> None:
+    with pytest.raises(HarnessError, match=r"surface param:max-turns: '9+'\.\.\. \(5,000 char"):
+        parse_harness(doc(surface("param:max-turns", "9" * 5_000)))
+
+
+@pytest.mark.parametrize("where", ["name", "id", "content", "path", "key"])
+def test_a_lone_surrogate_anywhere_is_refused(tmp_path: Path, where: str) -> None:
+    data = doc(surface("code:a-py", "x = 1", path="a.py"))
+    code = data["surfaces"][1]
+    if where == "name":
+        data["name"] = "a\udc80b"
+    elif where == "key":
+        data["\ud800"] = 1
+    elif where == "id":
+        code["id"] = "code:a\udfffpy"
+    else:
+        code[where] += "\ud800"
+    text = json.dumps(data)  # escapes the surrogate as \udXXX, as a hostile file would
+    path = write(tmp_path, "surrogate.json", text)
+    message = refusal(path)
+    assert "surrogate" in message
+    assert where in message if where != "key" else "field name" in message
+    with pytest.raises(HarnessError, match="surrogate"):
+        parse_harness(data)
+
+
+def outcome_without_hanging_on(fifo: Path, call: Callable[[], object]) -> object:
+    """What `call()` returned or raised. Should it wait on `fifo` for a writer (the defect),
+    a writer comes after a minute, and the test fails instead of hanging."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as error:
+            outcome.append(error)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(60)
+    if worker.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join()
+        pytest.fail(f"waited on the FIFO for a writer, then got {outcome[0]!r}")
+    return outcome[0]
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    fifo = tmp_path / "doc.json"
+    os.mkfifo(fifo)
+    refused = outcome_without_hanging_on(fifo, lambda: load_harness(fifo))
+    assert isinstance(refused, HarnessError), refused
+    assert "it is a FIFO (named pipe), not a regular file" in str(refused)
+
+
+@pytest.mark.parametrize("kind", ["directory", "device"])
+def test_directories_and_devices_are_refused(tmp_path: Path, kind: str) -> None:
+    path = tmp_path if kind == "directory" else Path("/dev/null")
+    assert f"it is a {'directory' if kind == 'directory' else 'character device'}" in refusal(path)
+
+
+def test_a_file_over_the_size_limit_is_refused_unread(tmp_path: Path) -> None:
+    path = tmp_path / "huge.json"
+    with path.open("wb") as file:
+        file.truncate(MAX_DOCUMENT_BYTES + 1)  # sparse: nothing to write
+    assert f"{MAX_DOCUMENT_BYTES + 1:,} bytes, over the limit of {MAX_DOCUMENT_BYTES:,}" \
+        in refusal(path)
+    with pytest.raises(HarnessError, match="over the limit"):
+        parse_harness_json(" " * (MAX_DOCUMENT_BYTES + 1))
+
+
+def many_surfaces(count: int) -> dict[str, Any]:
+    return doc(*(surface(f"param:p{i}", "1") for i in range(count - 1)))
+
+
+def test_100000_surfaces_are_refused_by_the_surface_limit(tmp_path: Path) -> None:
+    data = many_surfaces(100_000)
+    path = write(tmp_path, "many.json", json.dumps(data))
+    assert f"its limit is {MAX_SURFACES:,} surfaces" in refusal(path)
+    with pytest.raises(HarnessError, match=f"100,000 surfaces, over the limit of {MAX_SURFACES:,}"):
+        parse_harness(data)
+
+
+def test_the_surface_count_is_checked_before_any_surface_is_read() -> None:
+    with pytest.raises(HarnessError) as error:
+        parse_harness({"name": "t", "surfaces": [object()] * (MAX_SURFACES + 1)})
+    assert str(error.value) == (f"harness document is invalid: surfaces: {MAX_SURFACES + 1:,} "
+                                f"surfaces, over the limit of {MAX_SURFACES:,} per document")
+    with pytest.raises(HarnessError, match=f"more than {MAX_SURFACES:,} surfaces"):
+        parse_harness({"name": "t", "surfaces": itertools.repeat(object())})
+
+
+def test_a_document_of_exactly_the_surface_limit_is_valid() -> None:
+    parsed = parse_harness_json(json.dumps(many_surfaces(MAX_SURFACES)))
+    assert len(parsed.surfaces) == MAX_SURFACES and len(parsed.unknown_params) == MAX_SURFACES - 1
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (doc(surface("prompt:big", "x" * (MAX_CONTENT_CHARS + 1))),
+         f"surface prompt:big.content: is {MAX_CONTENT_CHARS + 1:,} characters, over the limit"),
+        (doc(name="n" * (MAX_NAME_CHARS + 1)), f"at most {MAX_NAME_CHARS} characters"),
+        (doc(surface("prompt:" + "a" * MAX_ID_CHARS)), f"id: String should have at most {MAX_ID_CHARS}"),
+    ],
+    ids=["content", "name", "id"],
+)
+def test_text_fields_have_size_limits(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(HarnessError) as error:
+        parse_harness(data)
+    assert message in str(error.value) and len(str(error.value)) < 300
+
+
+def test_a_surface_content_at_the_limit_is_valid() -> None:
+    assert parse_harness(doc(surface("prompt:big", "x" * MAX_CONTENT_CHARS))).system_prompt
+
+
+def test_nan_and_duplicate_keys_are_refused() -> None:
+    with pytest.raises(HarnessError, match="holds NaN, which is not JSON"):
+        parse_harness_json('{"name": "t", "version": NaN, "surfaces": []}')
+    with pytest.raises(HarnessError, match="key 'name' appears twice"):
+        parse_harness_json('{"name": "t", "name": "u", "surfaces": []}')
+
+
+def test_code_runtime_too_deep_for_the_python_parser_is_refused() -> None:
+    for source in ("-" * 100_000 + "1", "f()" + "()" * 50_000):
+        with pytest.raises(HarnessError, match="code:runtime is nested too deeply"):
+            parse_harness(doc(surface("code:runtime", "def run(kit):\n    return 1\n" + source)))
+
+
+def test_many_problems_are_summarised_on_one_line() -> None:
+    with pytest.raises(HarnessError) as error:
+        parse_harness(doc(*(surface(f"prompt:p{i}", "\x00") for i in range(40))))
+    assert str(error.value).count("NUL") == 5 and "and 35 more problems" in str(error.value)
+
+
+def test_a_long_or_strange_value_is_shown_short_and_escaped() -> None:
+    with pytest.raises(HarnessError) as error:
+        parse_harness(doc(surface("tool_policy:main", "submit\n" + "x\u202e" * 500)))
+    message = str(error.value)
+    assert "\u202e" not in message and "(1,000 characters)" in message and len(message) < 300
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.sampled_from(["name", "version", "surfaces", "id", "kind", "content",
+                                       "path", "budget", "x"]), inner, max_size=5),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300) | json_values.map(lambda v: json.dumps(v).encode()))
+def test_any_bytes_give_a_document_or_one_harness_error(raw: bytes) -> None:
+    try:
+        parse_harness_json(raw, source="fuzz.json")
+    except HarnessError as error:
+        assert str(error).startswith("fuzz.json ") and "\n" not in str(error)
+
+
+@settings(max_examples=200, deadline=None)
+@given(documents(), st.data())
+def test_a_damaged_document_gives_a_document_or_one_harness_error(
+    data: dict[str, Any], draw: st.DataObject
+) -> None:
+    text = json.dumps(data)
+    at = draw.draw(st.integers(0, len(text)))
+    damage = draw.draw(st.sampled_from(["[", "]", "{", "}", '"', "\\", ",", "\\ud800", "9" * 30,
+                                        "\xff", "NaN"]))
+    try:
+        parse_harness_json(text[:at] + damage + text[at + draw.draw(st.integers(0, 3)):])
+    except HarnessError as error:
+        assert "\n" not in str(error)
+
+
+@settings(max_examples=200, deadline=None)
+@given(json_values)
+def test_any_json_like_value_gives_a_document_or_one_harness_error(value: Any) -> None:
+    try:
+        parse_harness(value)
+    except HarnessError as error:
+        assert "\n" not in str(error)
+
+
+# -- one entry for every form of document: harness_from, and the harbor agent -----------------
+
+
+def test_harness_from_takes_a_document_a_mapping_json_text_or_a_path(tmp_path: Path) -> None:
+    example = load_harness(EXAMPLE)
+    text = EXAMPLE.read_text()
+    copy = write(tmp_path, "copy.json", text)
+    forms: list[object] = [example, json.loads(text), text, "  " + text, str(copy), copy]
+    assert all(harness_from(form) == example for form in forms)
+    with pytest.raises(HarnessError, match=r"expected a harness document.*got int"):
+        harness_from(5)
+
+
+@pytest.mark.parametrize("value", ["no\x00such.json", "\ud800.json", "x" * 5000])
+def test_harness_from_a_path_that_cannot_exist_is_a_harness_error(value: str) -> None:
+    with pytest.raises(HarnessError, match="cannot read harness document"):
+        harness_from(value)
+
+
+def make_agent(tmp_path: Path, harness: object) -> WmoTrioHarborAgent:
+    return WmoTrioHarborAgent(logs_dir=tmp_path, model_name="scripted/offline", harness=harness,
+                              provider_config={"kind": "scripted", "model": "offline"})
+
+
+@pytest.mark.parametrize("case", ["deep", "latin1", "fifo"])
+def test_the_agent_refuses_a_hostile_file_with_a_value_error_naming_harness(
+    tmp_path: Path, case: str
+) -> None:
+    path = tmp_path / f"{case}.json"
+    if case == "deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif case == "latin1":
+        path.write_bytes(json.dumps(doc(name="café"), ensure_ascii=False).encode("latin-1"))
+    else:
+        os.mkfifo(path)
+    refused = outcome_without_hanging_on(path, lambda: make_agent(tmp_path, str(path)))
+    assert type(refused) is ValueError, refused
+    assert str(refused).startswith("harness: ") and str(path) in str(refused)
+    assert refused.__cause__ is None
+
+
+def test_the_agent_reports_the_hash_of_a_candidate_derived_by_model_copy(tmp_path: Path) -> None:
+    parent = load_harness(EXAMPLE)
+    surfaces = [s for s in parent.surfaces if s.id != "prompt:style"]
+    child = parent.model_copy(update={"surfaces": surfaces})
+    agent = make_agent(tmp_path, child)
+    fresh = parse_harness({"name": parent.name, "version": parent.version,
+                           "surfaces": [s.model_dump() for s in surfaces]})
+    assert agent.doc.doc_hash == fresh.doc_hash != parent.doc_hash
+
+
+# -- derivation, equality, hashing ------------------------------------------------------------
+
+
+def test_model_copy_with_new_surfaces_gives_the_views_of_those_surfaces() -> None:
+    parent = parse_harness(doc(surface("param:max-turns", "5"),
+                               surface("skill:git", "---\nname: git\n---\nuse git")))
+    kept = [s for s in parent.surfaces if s.id != "skill:git"]
+    child = parent.model_copy(update={"surfaces": [*kept, surface("tool_policy:main", "submit")]})
+    fresh = parse_harness({"name": "t", "surfaces": [*(s.model_dump() for s in kept),
+                                                     surface("tool_policy:main", "submit")]})
+    assert child == fresh and child.doc_hash == fresh.doc_hash != parent.doc_hash
+    assert (child.tools, child.skills, child.params.max_turns) == (("submit",), (), 5)
+
+
+def test_model_copy_refuses_a_candidate_without_a_prompt() -> None:
+    parent = parse_harness(doc(surface("param:max-turns", "5")))
+    no_prompt = [s for s in parent.surfaces if s.kind != "prompt"]
+    with pytest.raises(HarnessError, match="candidate derived from 't' is invalid: a document "
+                                           "needs at least one prompt surface"):
+        parent.model_copy(update={"surfaces": no_prompt})
+
+
+def test_copies_without_changes_keep_data_and_views() -> None:
+    parent = load_harness(EXAMPLE)
+    for same in (parent.model_copy(), parent.model_copy(deep=True), copy.copy(parent),
+                 copy.deepcopy(parent), pickle.loads(pickle.dumps(parent))):
+        assert same == parent and hash(same) == hash(parent)
+        assert (same.doc_hash, same.tools, same.skills) == (parent.doc_hash, parent.tools,
+                                                           parent.skills)
+
+
+def test_every_way_around_validation_is_refused() -> None:
+    parent = load_harness(EXAMPLE)
+    with pytest.raises(TypeError, match=r"model_construct would build an unvalidated HarnessDoc"):
+        HarnessDoc.model_construct(name="x", surfaces=[])
+    with pytest.raises(TypeError, match=r"model_construct would build an unvalidated Surface"):
+        Surface.model_construct(id="prompt:x", kind="prompt", content="\x00")
+    with pytest.raises(TypeError, match=r"deprecated copy, which skips validation"):
+        parent.copy(update={"surfaces": []})
+    with pytest.raises(ValidationError, match="frozen"):
+        parent.name = "other"  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        parent.surfaces.append(parent.surfaces[0])  # type: ignore[attr-defined]
+
+
+def test_a_surface_changed_behind_pydantics_back_is_validated_again() -> None:
+    bad = Surface(id="prompt:x", kind="prompt", content="fine")
+    object.__setattr__(bad, "content", "not\x00fine")
+    with pytest.raises(HarnessError, match=r"surface prompt:x\.content: may not contain NUL"):
+        load_harness(EXAMPLE).with_surfaces(bad)
+
+
+def test_surface_model_copy_validates_the_copy() -> None:
+    prompt = Surface(id="prompt:x", kind="prompt", content="fine")
+    assert prompt.model_copy(update={"content": "better"}).content == "better"
+    with pytest.raises(HarnessError, match="copy of surface prompt:x is invalid: content"):
+        prompt.model_copy(update={"content": "a\x00"})
+
+
+def test_surfaces_are_a_tuple_in_python_and_a_list_in_json() -> None:
+    parsed = load_harness(EXAMPLE)
+    assert isinstance(parsed.surfaces, tuple)
+    assert isinstance(json.loads(parsed.model_dump_json())["surfaces"], list)
+
+
+def test_with_surfaces_replaces_by_id_or_adds() -> None:
+    parent = parse_harness(doc(surface("param:max-turns", "5")))
+    child = parent.with_surfaces(surface("param:max-turns", "9"),
+                                 Surface(id="prompt:more", kind="prompt", content="more"))
+    assert child.params.max_turns == 9 and child.system_prompt == "be good\n\nmore"
+    assert parent.params.max_turns == 5 and parent.system_prompt == "be good"
+
+
+def test_with_surfaces_refuses_an_id_given_twice_and_reports_invalid_surfaces() -> None:
+    parent = parse_harness(doc())
+    with pytest.raises(HarnessError, match="surface 'prompt:x' is given twice"):
+        parent.with_surfaces(surface("prompt:x", "a"), surface("prompt:x", "b"))
+    with pytest.raises(HarnessError, match=r"surface param:max-turns: '0' is not an integer"):
+        parent.with_surfaces(surface("param:max-turns", "0"))
+    with pytest.raises(HarnessError, match=r"surface prompt:x\.content: may not contain NUL"):
+        parent.with_surfaces(surface("prompt:x", "\x00"))
+
+
+def test_without_surfaces_removes_existing_ids_only() -> None:
+    parent = parse_harness(doc(surface("prompt:extra", "more")))
+    assert parent.without_surfaces("prompt:extra").system_prompt == "be good"
+    with pytest.raises(HarnessError, match="no surface 'prompt:none' to remove"):
+        parent.without_surfaces("prompt:none")
+    with pytest.raises(HarnessError, match="at least one prompt surface"):
+        parent.without_surfaces("prompt:core", "prompt:extra")
+
+
+def test_derive_replaces_fields_and_with_no_change_is_the_same_document() -> None:
+    parent = parse_harness(doc())
+    assert parent.derive() is parent
+    renamed = parent.derive(name="u", version=3)
+    assert (renamed.name, renamed.version, renamed.doc_hash) == ("u", 3, parent.doc_hash)
+    with pytest.raises(HarnessError, match="version"):
+        parent.derive(version=-1)
+
+
+def views(parsed: HarnessDoc) -> tuple[Any, ...]:
+    return (parsed.doc_hash, parsed.system_prompt, parsed.skills, parsed.tools, parsed.params,
+            parsed.runtime_kind, parsed.runtime_code, parsed.unknown_params,
+            [parsed.surface(s.id) for s in parsed.surfaces])
+
+
+@st.composite
+def edits(draw: st.DrawFn, data: dict[str, Any]) -> tuple[str, Any, dict[str, Any]]:
+    """One change to `data`: (method, argument, the changed data written out in full)."""
+    surfaces = list(data["surfaces"])
+    kind = draw(st.sampled_from(["content", "add", "remove", "fields", "all"]))
+    if kind == "content":
+        index = draw(st.integers(0, len(surfaces) - 1))
+        old = surfaces[index]
+        new = {**old, "content": str(int(old["content"]) + 1) if old["kind"] == "param"
+               else old["content"] + draw(texts)}
+        return "with_surfaces", new, {**data, "surfaces": [*surfaces[:index], new,
+                                                           *surfaces[index + 1:]]}
+    if kind == "add":
+        new = draw(st.sampled_from([
+            surface("prompt:added", draw(texts)), surface("param:unknown", draw(texts)),
+            surface("param:max-env-actions", str(draw(st.integers(1, 99)))),
+            surface("tool_policy:main", "bash\nsubmit"),
+            surface("code:runtime", "def run(kit):\n    return 'ok'\n"),
+        ]))
+        kept = [s for s in surfaces if s["id"] != new["id"]]
+        return "with_surfaces", new, {**data, "surfaces": [*kept, new]}
+    if kind == "remove":
+        prompts = [s for s in surfaces if s["kind"] == "prompt"]
+        removable = [s for s in surfaces if s["kind"] != "prompt" or len(prompts) > 1]
+        if not removable:
+            return "derive", {}, data
+        gone = draw(st.sampled_from(removable))
+        return "without_surfaces", gone["id"], {**data, "surfaces": [s for s in surfaces
+                                                                     if s is not gone]}
+    if kind == "fields":
+        changes = {"name": draw(st.text(max_size=10)), "version": draw(st.integers(0, 10**6))}
+        return "derive", changes, {**data, **changes}
+    shuffled = draw(st.permutations(surfaces))
+    return "model_copy", {"surfaces": shuffled}, {**data, "surfaces": shuffled}
+
+
+@settings(max_examples=100, deadline=None)
+@given(documents(), st.data())
+def test_a_derived_document_is_the_same_document_validated_from_scratch(
+    data: dict[str, Any], draw: st.DataObject
+) -> None:
+    parent = parse_harness(data)
+    method, argument, expected = draw.draw(edits(data))
+    if method == "with_surfaces":
+        derived = parent.with_surfaces(argument)
+    elif method == "without_surfaces":
+        derived = parent.without_surfaces(argument)
+    elif method == "derive":
+        derived = parent.derive(**argument)
+    else:
+        derived = parent.model_copy(update=argument)
+    scratch = parse_harness(expected)
+    assert derived == scratch and hash(derived) == hash(scratch)
+    assert views(derived) == views(scratch)
+    assert parse_harness(data) == parent  # the parent is untouched
+
+
+@settings(max_examples=100, deadline=None)
+@given(documents(), st.randoms())
+def test_equal_documents_are_equal_and_hash_equal(data: dict[str, Any], rnd: Any) -> None:
+    shuffled = list(data["surfaces"])
+    rnd.shuffle(shuffled)
+    one, other = parse_harness(data), parse_harness({**data, "surfaces": shuffled})
+    assert one == other and hash(one) == hash(other) and len({one, other}) == 1
+    assert {one: "score"}[other] == "score"
+
+
+@settings(max_examples=100, deadline=None)
+@given(documents(), st.text(max_size=10), st.integers(0, 99), st.integers(1, 10**6))
+def test_doc_hash_ignores_name_version_and_budget_of_a_derived_document(
+    data: dict[str, Any], name: str, version: int, budget: int
+) -> None:
+    parent = parse_harness(data)
+    budgeted = [s.model_copy(update={"budget": max(budget, len(s.content), 1)})
+                for s in parent.surfaces]
+    child = parent.derive(name=name, version=version, surfaces=budgeted)
+    assert child.doc_hash == parent.doc_hash
+    assert (child == parent) == (name == data["name"] and version == data["version"]
+                                 and all(s.budget is None for s in child.surfaces))
+
+
+@settings(max_examples=100, deadline=None)
+@given(documents(), st.data())
+def test_documents_with_different_data_are_unequal(data: dict[str, Any], draw: st.DataObject) -> None:
+    parent = parse_harness(data)
+    index = draw.draw(st.integers(0, len(parent.surfaces) - 1))
+    old = parent.surfaces[index]
+    changed = parent.with_surfaces(old.model_copy(update={
+        "content": str(int(old.content) + 1) if old.kind == "param" else old.content + "!"}))
+    assert changed != parent and changed.doc_hash != parent.doc_hash

@@ -114,7 +114,7 @@ async def test_local_process_environment_kills_a_timed_out_command_group(tmp_pat
         await environment.exec("(sleep 32.51; touch late) & sleep 32.52")
     # Killed at once; the kernel may take a moment to take them off a loaded machine.
     with trio.fail_after(20):  # far below the 32 s the commands would live
-        while running("sleep 32.51") or running("sleep 32.52"):
+        while running("sleep 32.51") or running("sleep 32.52"):  # noqa: ASYNC110 (processes, not events)
             await trio.sleep(0.05)
     assert not (tmp_path / "late").exists()
 

@@ -6,10 +6,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from wmo_trio.harness import HarnessDoc
 
 app = typer.Typer(
     name="wmo-trio",
@@ -124,7 +127,7 @@ def trace(
         render(one, found, console)
 
 
-def _load_doc(file: Path) -> Any:
+def _load_doc(file: Path) -> HarnessDoc:
     from wmo_trio.harness import HarnessError, load_harness
 
     try:
@@ -133,15 +136,31 @@ def _load_doc(file: Path) -> Any:
         raise fail(str(error)) from None
 
 
+def _printable(text: str) -> str:
+    """`text` for one line of output: quoted and escaped when it holds control characters,
+    and never an encoding error (a file name from argv may hold undecodable bytes)."""
+    shown = text if text.isprintable() else repr(text)
+    return shown.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+_NOTES_LISTED = 5
+
+
 @doc_app.command("validate")
 def doc_validate(file: Path) -> None:
     """Check a harness document against every rule; exit code 2 when it is invalid."""
     doc = _load_doc(file)
-    console.print(f"{file}: valid ({doc.name} v{doc.version}, {len(doc.surfaces)} surfaces, "
-                  f"tools {', '.join(doc.tools)}; hash {doc.doc_hash})", highlight=False)
-    for surface_id in doc.unknown_params:
-        errors.print(f"note: {surface_id} is not a parameter wmo_trio reads; it is kept and "
-                     "hashed", highlight=False)
+    # Written, not printed through rich: scripts read the hash, so the line never wraps.
+    sys.stdout.write(f"{_printable(str(file))}: valid ({_printable(doc.name)} v{doc.version}, "
+                     f"{len(doc.surfaces)} surfaces, tools {', '.join(doc.tools)}; "
+                     f"hash {doc.doc_hash})\n")
+    unknown = doc.unknown_params
+    if unknown:
+        listed = ", ".join(unknown[:_NOTES_LISTED])
+        more = f" and {len(unknown) - _NOTES_LISTED} more" if len(unknown) > _NOTES_LISTED else ""
+        errors.print(f"note: {len(unknown)} parameter surface{'s' if len(unknown) > 1 else ''} "
+                     f"wmo_trio does not read, kept and hashed: {listed}{more}",
+                     markup=False, highlight=False, soft_wrap=True)
 
 
 @doc_app.command("hash")

@@ -10,7 +10,6 @@ is imported, and its client built, in a worker thread on the first model call.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sys
 import threading
@@ -35,10 +34,9 @@ from wmo_trio.episode.log import EpisodeLog
 from wmo_trio.episode.runtime import DEFAULT_EPISODE_TIMEOUT_S
 from wmo_trio.episode.services import system_prompt
 from wmo_trio.episode.tools import tool_spec
-from wmo_trio.file_cache import parse_file_once
 from wmo_trio.harbor._adapter import HarborEnvironmentAdapter
 from wmo_trio.harbor._trajectory import TrajectoryInfo, write_trajectory
-from wmo_trio.harness import HarnessDoc, HarnessError, load_harness, parse_harness
+from wmo_trio.harness import HarnessDoc, HarnessError, harness_from
 from wmo_trio.models import RunResult
 from wmo_trio.providers import Provider, ProviderConfigError, build_provider, parse_provider_config
 from wmo_trio.settings import MAX_COMMAND_TIMEOUT_SEC, CommandTimeout, PositiveInt, PositiveSeconds, Settings
@@ -77,27 +75,6 @@ class EpisodeSetup:
     model_name: str | None
 
 
-def _load_harness_argument(value: object) -> HarnessDoc:
-    try:
-        if isinstance(value, HarnessDoc):
-            return value
-        if isinstance(value, str | Path):
-            text = str(value).strip()
-            if text.startswith("{"):  # a JSON document given as a string
-                return parse_harness(json.loads(text), source="harness")
-            return parse_file_once(Path(text).expanduser().resolve(), load_harness)
-        if isinstance(value, dict):
-            return parse_harness(value, source="harness")
-    except json.JSONDecodeError as error:
-        raise ValueError(f"harness: not a JSON object: {error.msg}") from None
-    except HarnessError as error:
-        raise ValueError(f"harness: {error}") from None
-    raise ValueError(
-        "harness must be a harness document (a JSON object) or the path of a JSON file, "
-        f"got {type(value).__name__}"
-    )
-
-
 _ARGUMENTS = frozenset({"harness", "provider_config", "harness_backend", "e2b_template",
                         "command_timeout_sec", "episode_timeout_sec", "episode_workers",
                         "context_window", "extra_env"})
@@ -122,7 +99,10 @@ def _checked_arguments(model_name: str | None, *, harness: Any = None,
         raise ValueError("harness is required: pass a harness document or a path to one")
     if provider_config is None:
         raise ValueError("provider_config is required: pass a JSON object with kind and model")
-    doc = _load_harness_argument(harness)
+    try:
+        doc = harness_from(harness)
+    except HarnessError as error:
+        raise ValueError(f"harness: {error}") from None
     if not isinstance(provider_config, dict):
         raise ValueError(
             f"provider_config must be a JSON object, got {type(provider_config).__name__}"
