@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: test demo bench bench-quick soak lint typecheck clean
+.PHONY: test test-fast coverage demo bench bench-quick soak lint typecheck clean
 
 # The venv is rebuilt only when the project's dependencies change, so a second
 # `make test` goes straight to the tests.
@@ -15,8 +15,21 @@ $(STAMP): pyproject.toml constraints.txt scripts/find-python
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench]'
 	@touch $(STAMP)
 
-test: $(STAMP)
+# The whole suite, with lint and types: what CI runs.
+test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+# The edit-and-test loop: everything but harbor trials, soak-like hypothesis schedules and
+# subprocess runs (the `slow` marker), in under a minute.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+# Branch coverage of wmo_trio over the whole suite, subprocesses included; the report is
+# printed and written to coverage-html/.
+coverage: $(STAMP)
+	rm -f .coverage .coverage.*
+	$(PY) -m pytest -q --cov=wmo_trio --cov-branch --cov-report=term-missing:skip-covered \
+		--cov-report=html:coverage-html
 
 demo: $(STAMP)
 	$(VENV)/bin/wmo-trio run

@@ -13,3 +13,10 @@ def anthropic_server() -> Iterator[AnthropicServer]:
     """A loopback stand-in for the Anthropic Messages API (see tests/anthropic_server.py)."""
     with AnthropicServer() as server:
         yield server
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every real harbor trial is slow: `make test-fast` leaves them out."""
+    for item in items:
+        if item.get_closest_marker("harbor") is not None:
+            item.add_marker(pytest.mark.slow)

@@ -12,6 +12,8 @@ import pytest
 
 from wmo_trio.harness import load_harness
 
+pytestmark = pytest.mark.slow  # runs the wmo-trio command in subprocesses
+
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-c", "from wmo_trio.cli import main; main()"]
 

@@ -6,6 +6,7 @@ import threading
 import time
 from typing import Any
 
+from wmo_trio.episode import deadlines
 from wmo_trio.episode.deadlines import DeadlineWatch
 
 
@@ -31,14 +32,16 @@ def test_a_cancelled_deadline_never_fires() -> None:
     assert fired == []
 
 
-def test_the_watcher_exits_once_only_cancelled_deadlines_remain() -> None:
+def test_the_watcher_exits_once_only_cancelled_deadlines_remain(monkeypatch: Any) -> None:
+    monkeypatch.setattr(deadlines, "_IDLE_EXIT_S", 0.05)
     watch = DeadlineWatch()
     handle = watch.schedule(time.monotonic() + 3600, lambda: None)
     thread = watch._thread
     assert thread is not None and thread.is_alive()
     watch.cancel(handle)
-    thread.join(timeout=10)  # the idle exit is 2 s after the last live deadline
+    thread.join(timeout=30)
     assert not thread.is_alive()
+    assert watch._thread is None
 
 
 def test_deadlines_cancelled_before_the_watcher_wakes_do_not_restart_it() -> None:
@@ -48,11 +51,22 @@ def test_deadlines_cancelled_before_the_watcher_wakes_do_not_restart_it() -> Non
     watch.cancel(watch.schedule(time.monotonic() + 60, lambda: None))
     first = watch._thread
     for _ in range(20):
-        time.sleep(0.01)  # the watcher is idle, waiting for work
+        _until_waiting(watch)  # the watcher is idle, waiting for work
         with watch._wakeup:  # it is notified, but runs only after both calls
             watch.cancel(watch.schedule(time.monotonic() + 60, lambda: None))
-    time.sleep(0.05)
+    _until_waiting(watch)
     assert watch._thread is first and first is not None and first.is_alive()
+
+
+def _until_waiting(watch: DeadlineWatch) -> None:
+    """Until the watcher thread waits on its condition (it has handled all it was told)."""
+    limit = time.monotonic() + 30
+    while True:
+        with watch._wakeup:
+            if watch._wakeup._waiters:  # type: ignore[attr-defined]
+                return
+        assert time.monotonic() < limit, "the watcher never went back to waiting"
+        time.sleep(0.001)
 
 
 def test_a_raising_callback_is_logged_and_later_deadlines_still_fire(caplog: Any) -> None:

@@ -367,12 +367,12 @@ def test_abort_kills_the_sandbox_at_once(e2b: FakeE2B, tmp_path: Path) -> None:
 
 def test_abort_during_a_long_program_computation_stops_it(e2b: FakeE2B, tmp_path: Path) -> None:
     # In-process this would run forever; in a sandbox it is killed.
-    source = "def run(kit):\n    while True:\n        pass\n"
-    runtime = build_runtime(code_doc(source), Spy([{"text": "x"}]), backend="e2b")
-    created = len(e2b.created)
+    source = ("def run(kit):\n    kit.complete('s', [{'role': 'user', 'content': 'go'}])\n"
+              "    while True:\n        pass\n")
+    spy = Spy([{"text": "x"}])
+    runtime = build_runtime(code_doc(source), spy, backend="e2b")
     thread, out = start_in_thread(runtime, tmp_path)
-    e2b.wait_for(lambda: len(e2b.created) > created and bool(e2b.processes(e2b.created[-1])))
-    time.sleep(0.5)
+    e2b.wait_for(lambda: len(spy.requests) == 1)  # past its model call: computing for ever
     runtime.abort()
     thread.join(5)
     assert out["result"].stop_reason is StopReason.CANCELLED

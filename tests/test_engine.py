@@ -358,6 +358,7 @@ def _python(code: str) -> str:
     return completed.stdout
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_importing_wmo_trio_leaves_asyncio_alone() -> None:
     out = _python("""
         import asyncio, sys
@@ -369,6 +370,7 @@ def test_importing_wmo_trio_leaves_asyncio_alone() -> None:
     assert out.split() == ["asyncio.unix_events", "False"]
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_the_trio_owned_host_stops_waits_and_unwraps() -> None:
     # trio-asyncio replaces asyncio's loop policy process-wide once imported, so this host
     # is exercised in its own interpreter.

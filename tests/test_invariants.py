@@ -28,11 +28,12 @@ and for the job:
    and the shared deadline watcher (which exits 2 s after its last deadline; checked to
    hold no live deadline);
 5. the host loop is never blocked: a heartbeat task on the loop measures how late each
-   5 ms sleep wakes. The assertion is on the 99th percentile over all examples of a run,
-   at most 50 ms, because this machine is shared (2 cores, other test runs): single
-   wake-ups are occasionally late by the OS scheduler alone, which a p99 tolerates and a
-   real block (a synchronous call on the loop, a lock held across a trace write) does not,
-   as it delays every heartbeat during it. The maximum is printed, not asserted.
+   5 ms sleep wakes, and a plain thread of the same process does the same meanwhile (what
+   the machine's load and the interpreter lock alone do to a waiting thread). The loop's
+   99th percentile over all examples of a run may exceed the thread's by at most 50 ms: a
+   busy machine delays both alike, while a real block (a synchronous call on the loop, a
+   lock held across a trace write) delays every beat of the loop during it and none of the
+   thread's. The maximum is printed, not asserted.
 
 Each example starts its loop's engine with one warm-up trial before the schedule runs (a
 timeout while the engine starts is tested on its own in test_faults.py).
@@ -84,6 +85,8 @@ from wmo_trio.episode.deadlines import DEADLINES
 from wmo_trio.harbor._agent import HarborEpisode
 from wmo_trio.models import RunResult
 from wmo_trio.trace import CANCELLED_BY_HARBOR_TIMEOUT, TRACE_FILENAME, PartialTrace
+
+pytestmark = pytest.mark.slow  # hypothesis schedules of whole harbor-shaped jobs, and a fresh interpreter
 
 HEARTBEAT_S = 0.005
 P99_LATENESS_LIMIT_S = 0.050
@@ -204,20 +207,55 @@ def build(plan: TrialPlan, name: str) -> tuple[list[dict[str, Any]], dict[str, D
 @dataclass
 class Stats:
     lateness: list[float] = field(default_factory=list)
+    control: list[float] = field(default_factory=list)  # a plain thread's, same process
     examples: int = 0
     trials: int = 0
     endings: dict[str, int] = field(default_factory=dict)
     reasons: dict[str, int] = field(default_factory=dict)
 
     def p99(self) -> float:
-        return statistics.quantiles(self.lateness, n=100)[98] if len(self.lateness) > 1 else 0.0
+        return _p99(self.lateness)
+
+    def control_p99(self) -> float:
+        return _p99(self.control)
 
     def summary(self) -> str:
         return (f"{self.examples} examples, {self.trials} trials, run() {self.endings}, traces "
                 f"{dict(sorted(self.reasons.items()))}; heartbeat "
                 f"lateness over {len(self.lateness)} beats: p50 "
                 f"{statistics.median(self.lateness) * 1000:.1f} ms, p99 {self.p99() * 1000:.1f} ms, "
-                f"max {max(self.lateness) * 1000:.1f} ms")
+                f"max {max(self.lateness) * 1000:.1f} ms; a plain thread's p99 meanwhile "
+                f"{self.control_p99() * 1000:.1f} ms")
+
+
+def _p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98] if len(values) > 1 else 0.0
+
+
+class ControlBeat:
+    """A plain thread sleeping `HEARTBEAT_S` in a loop, measuring how late it wakes: what
+    the machine's load and the interpreter lock alone do to a waiting thread, against which
+    the loop's own heartbeat is judged."""
+
+    def __init__(self, lateness: list[float]) -> None:
+        self._lateness = lateness
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="control-heartbeat", daemon=True)
+
+    def __enter__(self) -> ControlBeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _beat(self) -> None:
+        previous = time.monotonic()
+        while not self._stop.wait(HEARTBEAT_S):
+            now = time.monotonic()
+            self._lateness.append(max(0.0, now - previous - HEARTBEAT_S))
+            previous = now
 
 
 class FailingWrites:
@@ -293,6 +331,14 @@ async def _run_schedule(schedule: list[TrialPlan], harness: Harness, root: Path
     loop = asyncio.get_running_loop()
     lateness: list[float] = []
     beat = asyncio.create_task(_heartbeat(lateness))
+    with ControlBeat(harness.stats.control):
+        return await _run_scheduled_trials(schedule, harness, root, loop, beat, lateness)
+
+
+async def _run_scheduled_trials(schedule: list[TrialPlan], harness: Harness, root: Path,
+                                loop: asyncio.AbstractEventLoop, beat: asyncio.Task[None],
+                                lateness: list[float],
+                                ) -> tuple[list[TrialOutcome], list[FakeEnvironment], list[Path], int]:
     # Start this loop's engine first (see the module docstring).
     warm = make_agent(root / "warm-up", [submit()], session_id=f"warm-{harness.sequence}")
     assert (await run_trial(warm, "warm up", FakeEnvironment(), None)).ending == "returned"
@@ -447,7 +493,7 @@ def _check_host(monkeypatch: pytest.MonkeyPatch, mode: str, examples: int) -> St
     stats = harness.stats
     print(f"\n[{mode} host] {stats.summary()}")
     # 5. the host loop is never blocked (see the module docstring for the choice of p99)
-    assert stats.p99() <= P99_LATENESS_LIMIT_S, stats.summary()
+    assert stats.p99() <= stats.control_p99() + P99_LATENESS_LIMIT_S, stats.summary()
     return stats
 
 

@@ -74,16 +74,31 @@ async def test_cancelling_the_caller_stops_the_episode_and_keeps_a_partial_trace
     assert record["steps"][0]["action"]["name"] == "bash"
 
 
+class _Started(LocalProcessEnvironment):
+    """Says when `count` of its commands have started."""
+
+    def __init__(self, workdir: Path, started: trio.Semaphore) -> None:
+        super().__init__(workdir)
+        self.started = started
+
+    async def exec(self, command: str) -> Any:
+        self.started.release()
+        return await super().exec(command)
+
+
 async def test_leaving_fan_out_early_cancels_what_is_still_running(tmp_path: Path) -> None:
+    started = trio.Semaphore(0)
     specs = [EpisodeSpec(DOC, bash_then_submit(f"sleep 31.{i}2"), "go",
-                         LocalProcessEnvironment(tmp_path), trace_path=tmp_path / f"{i}.json")
+                         _Started(tmp_path, started), trace_path=tmp_path / f"{i}.json")
              for i in range(4)]
     with trio.fail_after(20):  # far below the 31 s commands
         async with wmo_trio.open_episode_pool(limit=4) as pool:
             async with pool.fan_out(specs) as results:
-                await trio.sleep(0.5)
+                for _ in range(4):  # every episode is in its command
+                    await started.acquire()
                 del results
-    assert not any(running(f"sleep 31.{i}2") for i in range(4))
+        while any(running(f"sleep 31.{i}2") for i in range(4)):  # noqa: ASYNC110 (processes)
+            await trio.sleep(0.05)
     assert all((tmp_path / f"{i}.json").is_file() for i in range(4))
 
 

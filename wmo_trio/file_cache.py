@@ -20,11 +20,11 @@ _parsed: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 
 def parse_file_once[T](path: Path, parse: Callable[[Path], T]) -> T:
     """`parse(path)`, computed once per version of the file (its identity, size and
-    modification time; a `stat`, no read, tells them) and kept. A failure is not kept.
-    `OSError` from the `stat` propagates as `parse` would raise it for a missing file."""
+    modification time; a `stat`, no read, tells them) and kept. A failure is not kept; a
+    path that cannot be `stat`ed is left to `parse`, which says what is wrong with it."""
     try:
         stat = path.stat()
-    except OSError:
+    except (OSError, ValueError):  # missing, or not a path the system can take
         return parse(path)  # let the parser say what is wrong, in its own words
     key = (parse, str(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
     with _lock:
