@@ -140,9 +140,12 @@ async def test_a_pool_limit_must_be_positive() -> None:
             pass
 
 
+@pytest.mark.slow  # its own interpreter
 def test_the_harbor_environment_adapter_runs_under_trio_asyncio(tmp_path: Path) -> None:
     # An asyncio environment with harbor's exec signature, driven from trio through
-    # trio-asyncio (in its own interpreter: trio-asyncio changes asyncio's policy).
+    # trio-asyncio (in its own interpreter: trio-asyncio changes asyncio's policy). Its
+    # write_file is the harbor adapter's algorithm: a parent directory whose name ends in a
+    # newline (issue 15.6: "$(dirname ...)" lost it) and content large enough to upload.
     code = textwrap.dedent(f"""
         import asyncio, json, trio
         import wmo_trio
@@ -162,6 +165,9 @@ def test_the_harbor_environment_adapter_runs_under_trio_asyncio(tmp_path: Path) 
                 result.stdout, result.stderr, result.return_code = (
                     out.decode(), err.decode(), process.returncode)
                 return result
+            async def upload_file(self, source_path, target_path):
+                import shutil
+                shutil.copyfile(source_path, target_path)
 
         async def main():
             import trio_asyncio
@@ -169,6 +175,8 @@ def test_the_harbor_environment_adapter_runs_under_trio_asyncio(tmp_path: Path) 
                 environment = wmo_trio.HarborEnvironment(AsyncioEnvironment())
                 async with wmo_trio.open_episode_pool(limit=2) as pool:
                     result = await pool.run({DOC!r}, {OFFLINE!r}, {HELLO!r}, environment)
+                await environment.write_file("nldir\\n/f.txt", b"one\\n")
+                await environment.write_file("big/data.bin", bytes(range(256)) * 400)
             print(json.dumps({{"stop": result.stop_reason.value}}))
 
         trio.run(main)
@@ -178,8 +186,12 @@ def test_the_harbor_environment_adapter_runs_under_trio_asyncio(tmp_path: Path) 
     assert completed.returncode == 0, completed.stderr
     assert json.loads(completed.stdout.splitlines()[-1]) == {"stop": "submitted"}
     assert (tmp_path / "out/hi.txt").read_text() == "hi\n"
+    assert (tmp_path / "nldir\n" / "f.txt").read_bytes() == b"one\n"
+    assert not (tmp_path / "nldir").exists()
+    assert (tmp_path / "big" / "data.bin").read_bytes() == bytes(range(256)) * 400
 
 
+@pytest.mark.slow  # a subprocess of 100 episodes
 def test_the_research_example_runs_its_hundred_episodes() -> None:
     completed = subprocess.run([sys.executable, "examples/research.py"], cwd=ROOT,
                                capture_output=True, text=True, timeout=300)
