@@ -523,3 +523,11 @@ def test_a_harbor_trial_runs_a_code_runtime_document_in_a_sandbox(e2b: FakeE2B, 
     assert len(sandboxes) == 2 and all(s in e2b.killed for s in sandboxes)  # task + runner
     runners = [p for s in sandboxes for p in e2b.processes(s) if "portable.py" in p.command]
     assert len(runners) == 1
+
+
+@pytest.mark.parametrize("bad", [{"template": ""}, {"transport_retries": -1},
+                                 {"transport_retries": True}, {"sandbox_grace_s": 0},
+                                 {"request_timeout_s": float("inf")}, {"tempalte": "x"}])
+def test_bad_e2b_settings_are_refused_naming_them(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        E2BSettings.parse(bad)

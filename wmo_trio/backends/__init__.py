@@ -13,7 +13,6 @@ when an `e2b` runtime is built.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -102,11 +101,10 @@ def build_runtime(
         )
     from wmo_trio.backends.e2b import E2BRuntime, E2BSettings
 
-    settings = e2b_settings or E2BSettings()
-    if e2b_template is not None:
-        settings = dataclasses.replace(settings, template=e2b_template)
-    if transport_retries is not None:
-        settings = dataclasses.replace(settings, transport_retries=transport_retries)
+    overrides = {name: value for name, value in (("template", e2b_template),
+                                                  ("transport_retries", transport_retries))
+                 if value is not None}
+    settings = E2BSettings.parse({**(e2b_settings or E2BSettings()).model_dump(), **overrides})
     return E2BRuntime(
         doc, provider, control=control, episode_timeout_s=episode_timeout_s,
         should_cancel=should_cancel, context_window=context_window, on_progress=on_progress,

@@ -74,10 +74,10 @@ import shlex
 import threading
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Annotated, Any
 
 from e2b import CommandExitException, Sandbox
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from wmo_trio.episode.environment import Environment
 from wmo_trio.episode.portable import PROTOCOL
@@ -86,6 +86,7 @@ from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, episode_mod
 from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import Action, ActionKind, RunResult, Step, StopReason
 from wmo_trio.providers.base import Provider, ProviderRequest
+from wmo_trio.settings import NonEmptyText, PositiveSeconds, Settings
 
 __all__ = ["DEFAULT_TEMPLATE", "E2BRuntime", "E2BSettings"]
 
@@ -98,8 +99,7 @@ MAX_FRAME_CHARS = 16 * 1024 * 1024
 _STDERR_TAIL_CHARS = 2000
 
 
-@dataclass(frozen=True)
-class E2BSettings:
+class E2BSettings(Settings):
     """How episodes use E2B.
 
     - `template`: the sandbox template (name or id); it needs `python3` >= 3.8.
@@ -112,25 +112,12 @@ class E2BSettings:
     - `request_timeout_s`: bound of each E2B API and envd request.
     """
 
-    template: str = DEFAULT_TEMPLATE
+    template: NonEmptyText = Field(default=DEFAULT_TEMPLATE, description="a non-empty template name")
     api_key: str | None = None
-    python: str = "python3"
-    transport_retries: int = 0
-    sandbox_grace_s: float = 60.0
-    request_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.template, str) or not self.template.strip():
-            raise ValueError(f"e2b template must be a non-empty name, got {self.template!r}")
-        retries = self.transport_retries
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"transport_retries must be an integer >= 0, got {retries!r}")
-        for name in ("sandbox_grace_s", "request_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                math.isfinite(value) and value > 0
-            ):
-                raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+    python: NonEmptyText = "python3"
+    transport_retries: Annotated[int, Field(ge=0, description="an integer >= 0")] = 0
+    sandbox_grace_s: PositiveSeconds = 60.0
+    request_timeout_s: PositiveSeconds = 60.0
 
 
 class _TransportFailure(Exception):

@@ -28,8 +28,9 @@ class BadInput(Exception):
 
 
 def examples_dir() -> Path:
-    """The bundled examples (tasks and the example document) of this checkout."""
-    return Path(wmo_trio.__file__).resolve().parent.parent / "examples"
+    """The bundled examples: the example tasks and document, shipped as package data
+    (in a source checkout, `wmo_trio/examples` links to the repository's `examples/`)."""
+    return Path(wmo_trio.__file__).resolve().parent / "examples"
 
 
 def docker_daemon_answers() -> bool:
