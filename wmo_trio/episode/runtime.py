@@ -30,7 +30,7 @@ from wmo_trio.episode.portable import run_episode
 from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, episode_spec, system_prompt
 from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import Action, ActionKind, Observation, RunResult, Step, StopReason, count_tool_steps
-from wmo_trio.providers.base import Provider, ProviderRequest
+from wmo_trio.providers.base import Message, Provider, ProviderRequest, ToolSpec
 from wmo_trio.settings import PositiveSeconds, checked
 
 DEFAULT_EPISODE_TIMEOUT_S = 300.0
@@ -161,14 +161,40 @@ class EpisodeRuntime(RuntimeBase):
 
 
 class _LocalChannel:
-    """The program's channel when it runs in this process: straight to the services."""
+    """The program's channel when it runs in this process: straight to the services.
+
+    A program re-sends the whole conversation every turn; the messages it sent before
+    (the same objects, in the same places) and its tool list are turned into models once,
+    so a turn costs what is new in it."""
 
     def __init__(self, services: EpisodeServices) -> None:
         self._services = services
+        self._sent: tuple[list[dict[str, Any]], list[Message]] = ([], [])
+        self._tools: tuple[object, list[ToolSpec]] | None = None
 
     def complete(self, request: dict[str, Any]) -> dict[str, Any]:
-        response = self._services.complete(ProviderRequest.model_validate(request))
+        tools = request["tools"]
+        if self._tools is None or self._tools[0] is not tools:
+            self._tools = (tools, [ToolSpec.model_validate(t) for t in tools])
+        response = self._services.complete(ProviderRequest(
+            system=request["system"],
+            messages=self._messages(request["messages"]),
+            tools=self._tools[1],
+            max_output_tokens=request["max_output_tokens"],
+            temperature=request["temperature"],
+        ))
         return response.model_dump(mode="json")
+
+    def _messages(self, sent: list[dict[str, Any]]) -> list[Message]:
+        before, models = self._sent
+        kept = 0
+        for new, old in zip(sent, before, strict=False):
+            if new is not old:
+                break
+            kept += 1
+        models = models[:kept] + [Message.model_validate(data) for data in sent[kept:]]
+        self._sent = (sent, models)
+        return models
 
     def execute(self, tool: str, arguments: dict[str, Any] | None, content: str | None,
                 parse_error: str | None) -> dict[str, Any]:

@@ -20,6 +20,7 @@ episode by raising `EpisodeEnded`; once ended, every later call raises the same 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal, NoReturn
 
@@ -38,7 +39,7 @@ from wmo_trio.episode.tools import (
 )
 from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import Action, ActionKind, Observation, StopReason
-from wmo_trio.providers.base import Provider, ProviderError, ProviderRequest, ProviderResponse
+from wmo_trio.providers.base import Message, Provider, ProviderError, ProviderRequest, ProviderResponse
 
 Mode = Literal["loop", "code"]
 
@@ -130,11 +131,16 @@ def episode_spec(doc: HarnessDoc, *, task_id: str, instruction: str,
     """Everything the episode's program needs (`wmo_trio.episode.portable.run_episode`),
     JSON-compatible: the kit's data for a `code:runtime` document, the built-in loop's
     otherwise."""
+    return {**_document_spec(doc, context_window), "task_id": task_id, "instruction": instruction}
+
+
+@functools.lru_cache(maxsize=64)
+def _document_spec(doc: HarnessDoc, context_window: int | None) -> dict[str, Any]:
+    """The part of an episode's spec that comes from its document: the same for all its
+    episodes, so built once (callers copy it, never change it)."""
     mode = episode_mode(doc)
     spec: dict[str, Any] = {
         "mode": mode,
-        "task_id": task_id,
-        "instruction": instruction,
         "params": doc.params.model_dump(mode="json"),
         "tools": list(doc.tools),
         "context_window": context_window,
@@ -196,6 +202,8 @@ class EpisodeServices:
         self._episode_timeout_s = episode_timeout_s
         self._max_output = max_output_tokens(doc, context_window)
         self._tool_specs = [tool_spec(name) for name in doc.tools] if self.mode == "loop" else []
+        self._checked: list[Message] = []
+        self._long: list[bool] = []
 
     # -- ending ---------------------------------------------------------------------------
 
@@ -259,22 +267,31 @@ class EpisodeServices:
         are plain text), the document's output cap, its temperature unless the program
         chose one, and every tool result within the observation cap (the loop answers the
         calls of a reply without a usable one itself)."""
-        temperature = request.temperature
-        long_results = any(m.role == "tool" and len(m.content) > MAX_OBSERVATION_CHARS
-                           for m in request.messages)
-        if (request.tools == self._tool_specs and request.max_output_tokens <= self._max_output
-                and temperature is not None and not long_results):
-            return request
-        update: dict[str, Any] = {
-            "tools": self._tool_specs,
-            "max_output_tokens": min(request.max_output_tokens, self._max_output),
-            "temperature": self.doc.params.temperature if temperature is None else temperature,
-        }
-        if long_results:
+        update: dict[str, Any] = {}
+        if request.tools is not self._tool_specs:
+            update["tools"] = self._tool_specs
+        if request.max_output_tokens > self._max_output:
+            update["max_output_tokens"] = self._max_output
+        if request.temperature is None:
+            update["temperature"] = self.doc.params.temperature
+        if self._long_results(request.messages):
             update["messages"] = [
                 m.model_copy(update={"content": capped_text(m.content)}) if m.role == "tool" else m
                 for m in request.messages]
-        return request.model_copy(update=update)
+        return request.model_copy(update=update) if update else request
+
+    def _long_results(self, messages: list[Message]) -> bool:
+        """Whether a tool result is over the cap; the messages looked at on an earlier turn
+        (the same objects, in the same places) are not looked at again."""
+        kept = 0
+        for new, old in zip(messages, self._checked, strict=False):
+            if new is not old:
+                break
+            kept += 1
+        long = self._long[:kept] + [m.role == "tool" and len(m.content) > MAX_OBSERVATION_CHARS
+                                    for m in messages[kept:]]
+        self._checked, self._long = messages, long
+        return any(long)
 
     # -- tool calls -----------------------------------------------------------------------
 

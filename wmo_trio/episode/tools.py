@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 from wmo_trio.harness import ENVIRONMENT_TOOLS
@@ -36,7 +37,9 @@ _DESCRIPTIONS: dict[str, tuple[str, dict[str, str]]] = {
 }
 
 
+@functools.cache
 def tool_spec(name: str) -> ToolSpec:
+    """The schema of a known tool (one shared, frozen instance per tool)."""
     description, arguments = _DESCRIPTIONS[name]
     return ToolSpec(
         name=name,

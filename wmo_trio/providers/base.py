@@ -43,7 +43,7 @@ class ToolCall(BaseModel):
 
 
 class ToolSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
     description: str
