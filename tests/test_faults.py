@@ -686,6 +686,7 @@ def test_a_base_exception_from_the_worker_reaches_the_caller_as_itself(
     assert counts.of(trace.task_id) == {"run": 1, "close": 1, "record": 1}
 
 
+@pytest.mark.slow  # a child interpreter
 def test_keyboard_interrupt_and_system_exit_from_the_worker_reach_the_caller_as_themselves(
     tmp_path: Path,
 ) -> None:
