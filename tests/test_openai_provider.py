@@ -967,3 +967,73 @@ def test_wmo_trio_run_refuses_a_missing_key_and_an_unreachable_server_in_one_lin
         assert completed.returncode == 2 and len(lines) == 1, completed.stderr
         assert fragment in lines[0]
     assert not (tmp_path / "jobs").exists()
+
+
+# -- a real harbor trial through harbor's command line -------------------------------------
+
+GREETING = {"path": "/app/greeting.txt", "content": "Hello from wmo_trio\n"}  # solves hello-file
+
+
+@pytest.mark.harbor
+def test_a_harbor_cli_trial_with_openai_model_runs_against_the_server(tmp_path: Path) -> None:
+    from test_harbor_agent import harbor_run
+
+    with ChatCompletionsServer() as server:
+        server.enqueue(
+            api.error(429, headers={"retry-after": "0"}),
+            api.tool_calls(api.tool_call("write_file", '{"path": "/app/greeting.txt", "content": "Hel')),
+            api.tool_calls(
+                api.tool_call("write_file", GREETING),
+                api.tool_call("bash", {"command": "cat /app/greeting.txt"}),
+                text_="Writing the file, then reading it back.", usage_=api.usage(900, 40, cached=600)),
+            api.tool_calls(api.tool_call("submit", {"answer": "wrote /app/greeting.txt"}), usage_=None),
+        )
+        provider_config = {"kind": "openai", "model": api.MODEL, "base_url": server.base_url,
+                           "api_key_env": KEY_ENV}
+        [trial] = harbor_run(tmp_path / "jobs", ROOT / "examples/tasks/hello-file",
+                             provider_config=provider_config, env={KEY_ENV: api.API_KEY}).trials()
+        requests = server.requests
+
+    assert (trial.reward, trial.exception_type) == (1.0, None), trial.describe()
+    trace = trial.trace
+    assert isinstance(trace, RunResult) and trace.stop_reason == "submitted"
+    assert [step.action.name for step in trace.steps] == [None, "write_file", "bash", "submit"]
+    assert trace.steps[2].observation.content.strip() == "Hello from wmo_trio"
+    # Usage reaches the trace and harbor's context, the cached tokens included.
+    assert trace.worker_usage == TokenUsage(input_tokens=910, output_tokens=45, cached_input_tokens=600,
+                                            calls=3)
+    agent = trial.agent_result
+    assert (agent["n_input_tokens"], agent["n_cache_tokens"], agent["n_output_tokens"]) == (910, 600, 45)
+    # The server was checked once, before the first call; then one request per attempt.
+    assert [(r.method, r.path) for r in requests] == [("GET", "/v1/models")] + [
+        ("POST", "/v1/chat/completions")] * 4
+    for recorded in requests[1:]:
+        assert recorded.headers["authorization"] == f"Bearer {api.API_KEY}"
+        assert recorded.body["model"] == api.MODEL
+        assert recorded.body["temperature"] == 0.2  # the example document's param:temperature
+        assert [t["function"]["name"] for t in recorded.body["tools"]] == [
+            "bash", "read_file", "write_file", "submit", "read_skill"]  # the example has a skill
+
+
+@pytest.mark.harbor
+def test_wmo_trio_run_with_openai_model_runs_a_job_against_a_keyless_server(tmp_path: Path) -> None:
+    with ChatCompletionsServer(api_key=None) as server:
+        server.enqueue(
+            api.tool_calls(
+                api.tool_call("write_file", GREETING)),
+            api.tool_calls(api.tool_call("submit", {"answer": "done"}), usage_=api.usage(300, 9, cached=256)),
+        )
+        completed = wmo_trio_run(
+            "-m", f"openai/{api.MODEL}", "--job-name", "keyless", "-e", "wmo_trio.harbor:LocalEnvironment",
+            "--provider-config", json.dumps({"base_url": server.base_url, "api_key_env": None}),
+            cwd=tmp_path, env={})
+        requests = server.requests
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    [result_file] = (tmp_path / "jobs" / "keyless").glob("*/result.json")
+    result = json.loads(result_file.read_text())
+    assert result["verifier_result"]["rewards"]["reward"] == 1.0
+    assert result["agent_result"]["metadata"]["stop_reason"] == "submitted"
+    assert (result["agent_result"]["n_input_tokens"], result["agent_result"]["n_cache_tokens"]) == (310, 256)
+    assert [(r.method, r.path) for r in requests] == [("GET", "/v1/models")] + [
+        ("POST", "/v1/chat/completions")] * 2
+    assert all("authorization" not in r.headers for r in requests)
