@@ -828,12 +828,18 @@ def test_an_unknown_setting_is_refused_naming_the_known_ones(server: ChatComplet
     {"headers": {"Authorization": "Bearer sk-in-a-config-file"}}, {"headers": {"X-Title": 1}},
     {"headers": {"bad name": "x"}}, {"headers": {"X-Title": "a\r\nInjected: yes"}},
     {"extra_body": {"messages": []}}, {"extra_body": {"stream": True}}, {"extra_body": {"max_tokens": 5}},
-    {"extra_body": "top_k=20"}, {"check_server": 0},
+    {"extra_body": "top_k=20"}, {"extra_body": {"top_k": float("nan")}}, {"check_server": 0},
 ])
 def test_bad_setting_values_are_refused(server: ChatCompletionsServer, extra: dict[str, Any]) -> None:
     with pytest.raises(ProviderConfigError, match=next(iter(extra))):
         build_provider(settings(server, **extra))
     assert server.requests == []
+
+
+def test_a_key_put_in_headers_is_refused_without_quoting_it(server: ChatCompletionsServer) -> None:
+    with pytest.raises(ProviderConfigError, match="api_key_env") as caught:
+        build_provider(settings(server, headers={"authorization": "Bearer sk-secret-value"}))
+    assert "sk-secret-value" not in str(caught.value)
 
 
 def test_building_a_provider_imports_no_sdk() -> None:

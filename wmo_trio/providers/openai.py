@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 import trio
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from wmo_trio.control import CallInterrupted
 from wmo_trio.models import JsonObject, TokenUsage
@@ -110,38 +110,10 @@ class OpenAISettings(ProviderSettings):
         default="max_tokens", description='"max_tokens" or "max_completion_tokens"')
     send_temperature: bool = True
     headers: dict[str, str] | None = Field(
-        default=None, description="an object of header names and string values, without "
-        "Authorization (the key comes from api_key_env)")
+        default=None, description="an object of header names and string values")
     extra_body: dict[str, Any] | None = Field(
-        default=None, description="a JSON object of extra request fields, none of "
-        + ", ".join(sorted(_OWNED_FIELDS)))
+        default=None, description="a JSON object of extra request fields")
     check_server: bool = True
-
-    @field_validator("headers")
-    @classmethod
-    def _plain_headers(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        for name, text in (value or {}).items():
-            if not _HEADER_NAME.match(name) or any(c in text for c in "\r\n\x00"):
-                raise ValueError(f"header {name!r} is not a valid HTTP header")
-            if name.lower() == "authorization":
-                raise ValueError("it must not hold Authorization: name the variable holding "
-                                 "the key in api_key_env")
-        return value
-
-    @field_validator("extra_body")
-    @classmethod
-    def _free_fields(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is None:
-            return None
-        owned = sorted(_OWNED_FIELDS.intersection(value))
-        if owned:
-            raise ValueError(f"it must not set {', '.join(owned)} (the document's params and "
-                             "tools set them)")
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError):
-            raise ValueError("it must be JSON") from None
-        return value
 
 
 class OpenAIProvider:
@@ -176,6 +148,8 @@ class OpenAIProvider:
         """Check the settings, the API key and (once per process, unless `check_server` is
         false) that the server answers; no SDK import, no client."""
         settings: OpenAISettings = OpenAISettings.of(config)
+        _check_headers(settings.headers or {})
+        _check_extra_body(settings.extra_body or {})
         api_key: str | None = None
         if settings.api_key_env is not None:
             api_key = os.environ.get(settings.api_key_env, "").strip()
@@ -477,6 +451,33 @@ def _error_detail(error: openai.APIStatusError) -> str:
 
 
 # -- configuration checks ------------------------------------------------------------------
+
+
+def _check_headers(headers: Mapping[str, str]) -> None:
+    # Values are never quoted back: a header may carry a credential.
+    for name, value in headers.items():
+        if name.lower() == "authorization":
+            raise ProviderConfigError(
+                "openai provider: headers must not hold Authorization; put the key in an "
+                "environment variable and name it in api_key_env")
+        if not _HEADER_NAME.match(name):
+            raise ProviderConfigError(f"openai provider: headers: {name!r} is not an HTTP header name")
+        if any(c in value for c in "\r\n\x00"):
+            raise ProviderConfigError(
+                f"openai provider: headers: the value of {name!r} holds a line break or NUL")
+
+
+def _check_extra_body(extra_body: Mapping[str, Any]) -> None:
+    owned = sorted(_OWNED_FIELDS.intersection(extra_body))
+    if owned:
+        raise ProviderConfigError(
+            f"openai provider: extra_body must not set {', '.join(owned)}: wmo_trio sets the "
+            "model, messages and tools, the document's params set the output limit and the "
+            "temperature, and stream or n would change the reply's shape")
+    try:
+        json.dumps(extra_body, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise ProviderConfigError(f"openai provider: extra_body must be JSON ({error})") from None
 
 
 def _checked_base_url(configured: str | None, api_key: str | None) -> str:
