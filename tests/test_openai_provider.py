@@ -389,6 +389,23 @@ def test_missing_and_repeated_call_ids_are_made_distinct(server: ChatCompletions
         {"command": "a"}, {"command": "b"}, {"command": "c"}]
 
 
+def test_deeply_nested_arguments_give_an_unparsed_call(server: ChatCompletionsServer,
+                                                      provider: OpenAIProvider) -> None:
+    nested = "[" * 100_000 + "]" * 100_000
+    [tool_call] = answer(server, provider, api.tool_calls(api.tool_call("bash", nested))).tool_calls
+    assert (tool_call.arguments, tool_call.parse_error) == (None, "invalid JSON: nested too deeply")
+
+
+def test_lone_surrogates_in_a_reply_become_replacement_characters(server: ChatCompletionsServer,
+                                                                  provider: OpenAIProvider) -> None:
+    # JSON may escape half of a surrogate pair; such a string cannot be encoded again.
+    response = answer(server, provider, api.tool_calls(
+        api.tool_call("bash", {"command": "echo \ud800ok", "\udfff": "x"}), text_="odd \udc00 text"))
+    assert response.text == "odd \ufffd text"
+    assert response.tool_calls[0].arguments == {"command": "echo \ufffdok", "\ufffd": "x"}
+    assert "\ud800" not in (response.tool_calls[0].raw_arguments or "")
+
+
 @pytest.mark.parametrize(("finish_reason", "with_calls", "finish"), [
     ("stop", False, FinishReason.STOP),
     ("length", False, FinishReason.LENGTH),
@@ -912,6 +929,19 @@ def test_an_episode_whose_server_stays_down_ends_as_provider_error_with_its_usag
     assert result.stop_reason == "provider_error"
     assert result.worker_usage is not None and result.worker_usage.calls == 1
     assert "503" in result.steps[-1].observation.content
+
+
+def test_an_episode_goes_on_past_a_reply_with_lone_surrogates_and_records_it(
+        server: ChatCompletionsServer, make_built: Callable[..., Provider], tmp_path: Path) -> None:
+    server.enqueue(
+        api.tool_calls(api.tool_call("bash", {"command": "echo \ud800ok"}), text_="odd \udc00"),
+        api.tool_calls(api.tool_call("submit", {"answer": "done"})),
+    )
+    recording = tmp_path / "calls.jsonl"
+    result = run_episode(make_built(retry=FAST_RETRY, record=str(recording)), tmp_path / "work")
+    assert (result.stop_reason, result.answer) == ("submitted", "done")
+    assert result.steps[0].observation.content.strip() == "\ufffdok"
+    assert len(recording.read_text(encoding="utf-8").splitlines()) == 2
 
 
 # -- record and replay -----------------------------------------------------------------

@@ -16,8 +16,9 @@ object give a tool call without arguments and with a `parse_error` (the scripted
 provider's wording), which the episode answers with an observation the model can recover
 from; a missing id is made up; `finish_reason` `length` is the output limit, an unknown or
 missing one is read from whether there are tool calls; a missing `usage` counts the call
-with zero tokens. A reply without choices, or whose body is not JSON, is a retryable
-failure; a body that is not a chat completion at all is not.
+with zero tokens; a lone surrogate (half of an escaped pair) becomes U+FFFD. A reply
+without choices, or whose body is not JSON, is a retryable failure; a body that is not a
+chat completion at all is not.
 
 Model I/O is the Anthropic provider's design: the worker thread builds the body and maps
 the reply; the HTTP exchange runs on the trio thread (`CallControl.run_async`) through one
@@ -92,6 +93,7 @@ _CONNECT_TIMEOUT_S = 10.0
 # Authorization header is left out of every request.
 _NO_KEY = "no-key"
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _ERROR_DETAIL_CHARS = 300
 
 
@@ -287,7 +289,7 @@ class OpenAIProvider:
         finish = _get(choices[0], "finish_reason")
         refusal = _get(message, "refusal")
         if isinstance(refusal, str) and refusal and not text and not calls:
-            text, finish = refusal, "content_filter"
+            text, finish = _scrubbed(refusal), "content_filter"
         reason = _FINISH_REASONS.get(finish) if isinstance(finish, str) else None
         if reason is None:
             reason = FinishReason.TOOL_CALLS if calls else FinishReason.STOP
@@ -355,12 +357,31 @@ def _sent_arguments(call: ToolCall) -> str:
 
 def _text(content: object) -> str:
     if isinstance(content, str):
-        return content
+        return _scrubbed(content)
     if isinstance(content, list):  # content parts, from servers that send them back
         parts = (part if isinstance(part, str) else part.get("text") if isinstance(part, dict) else None
                  for part in content)
-        return "".join(part for part in parts if isinstance(part, str))
+        return _scrubbed("".join(part for part in parts if isinstance(part, str)))
     return ""
+
+
+def _scrubbed(text: str) -> str:
+    """`text` with every lone surrogate (from a JSON `\\ud800` escape without its pair)
+    replaced by U+FFFD: such a string cannot be encoded, so it would fail the next request,
+    the command it is part of, and a recording."""
+    if _SURROGATE.search(text) is None:
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _scrubbed_json(value: Any) -> Any:
+    if isinstance(value, str):
+        return _scrubbed(value)
+    if isinstance(value, dict):
+        return {_scrubbed_json(key): _scrubbed_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_scrubbed_json(item) for item in value]
+    return value
 
 
 def _tool_calls(raw_calls: object) -> list[ToolCall]:
@@ -377,7 +398,7 @@ def _tool_calls(raw_calls: object) -> list[ToolCall]:
             # same one twice) still gets distinct ids back.
             call_id = f"call_{index}_{os.urandom(6).hex()}"
         seen.add(call_id)
-        calls.append(parse_tool_call(call_id, name if isinstance(name, str) else "",
+        calls.append(parse_tool_call(_scrubbed(call_id), _scrubbed(name) if isinstance(name, str) else "",
                                      _get(function, "arguments")))
     return calls
 
@@ -388,17 +409,22 @@ def parse_tool_call(call_id: str, name: str, arguments: object) -> ToolCall:
     if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
         return ToolCall(id=call_id, name=name, arguments={})
     if isinstance(arguments, dict):
-        return ToolCall(id=call_id, name=name, arguments=dict(arguments))
+        return ToolCall(id=call_id, name=name, arguments=_scrubbed_json(arguments))
     if not isinstance(arguments, str):
         raw = json.dumps(arguments) if isinstance(arguments, list | int | float | bool) else repr(arguments)
+        raw = _scrubbed(raw)
         return ToolCall(id=call_id, name=name, arguments=None, raw_arguments=raw,
                         parse_error="arguments are not a JSON object")
+    arguments = _scrubbed(arguments)
     # The scripted provider's wording, so that a replayed conversation reads the same.
     try:
-        parsed = json.loads(arguments)
+        parsed = _scrubbed_json(json.loads(arguments))
     except json.JSONDecodeError as error:
         return ToolCall(id=call_id, name=name, arguments=None, raw_arguments=arguments,
                         parse_error=f"invalid JSON: {error.msg}")
+    except RecursionError:
+        return ToolCall(id=call_id, name=name, arguments=None, raw_arguments=arguments,
+                        parse_error="invalid JSON: nested too deeply")
     if not isinstance(parsed, dict):
         return ToolCall(id=call_id, name=name, arguments=None, raw_arguments=arguments,
                         parse_error="arguments are not a JSON object")
