@@ -132,6 +132,10 @@ class OpenAIProvider:
     `HTTP-Referer` and `X-Title`), `extra_body` (extra request fields, e.g. vLLM's `top_k`
     or `chat_template_kwargs`, OpenRouter's `provider`), `check_server` (false skips the
     check that the server is there).
+
+    A call is three steps, each usable alone (a benchmark drives them to measure the SDK's
+    own cost): `request_body(request)` and `response(completion)` in the worker thread, and
+    `send(body, limit_s)`, the SDK call, in any trio run.
     """
 
     def __init__(self, config: ProviderConfig, settings: OpenAISettings, api_key: str | None,
