@@ -54,10 +54,12 @@ def run(
     harness: Annotated[Path | None, typer.Option(
         "--harness", help="The harness document (JSON). Default: the bundled example.")] = None,
     model: Annotated[str, typer.Option(
-        "-m", "--model", help="kind/model: scripted/offline (no API key) or "
-        "anthropic/<model>.")] = "scripted/offline",
+        "-m", "--model", help="kind/model: scripted/offline (no API key), anthropic/<model>, "
+        "or openai/<model> for OpenAI or any OpenAI-compatible server (vLLM, SGLang, Ollama, "
+        "OpenRouter; give its base_url with --provider-config).")] = "scripted/offline",
     provider_config: Annotated[str | None, typer.Option(
-        "--provider-config", help="Extra provider settings as a JSON object.")] = None,
+        "--provider-config", help="Extra provider settings as a JSON object, e.g. "
+        '\'{"base_url": "http://localhost:8000/v1", "api_key_env": null}\'.')] = None,
     episode_timeout: Annotated[float, typer.Option("--episode-timeout",
                                                    help="Episode wall-clock budget, seconds.")]
     = 300.0,

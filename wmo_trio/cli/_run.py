@@ -108,8 +108,8 @@ def build_job_config(options: RunOptions) -> Any:
     tasks, datasets = _task_configs(options.paths)
     kind, slash, model = options.model.partition("/")
     if not slash or not kind or not model:
-        raise BadInput(f"model {options.model!r} must be kind/model, e.g. {DEFAULT_MODEL} or "
-                       "anthropic/claude-sonnet-4-5")
+        raise BadInput(f"model {options.model!r} must be kind/model, e.g. {DEFAULT_MODEL}, "
+                       "anthropic/claude-sonnet-4-5 or openai/<model>")
     harness = options.harness or examples_dir() / "harness.json"
     kwargs: dict[str, Any] = {
         "harness": str(harness.resolve()),

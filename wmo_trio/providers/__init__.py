@@ -2,9 +2,10 @@
 
 `build_provider` is the one way the rest of wmo_trio obtains a provider: it validates the
 configuration (a bad setting or a missing API key fails here, before any episode runs) and
-wraps the provider in wmo_trio's retry policy. Building one is cheap and does no I/O: an
-SDK is imported, and its client created, in a worker thread on the first call, never on
-harbor's loop or on the trio thread.
+wraps the provider in wmo_trio's retry policy. Building one is cheap: an SDK is imported,
+and its client created, in a worker thread on the first call, never on harbor's loop or on
+the trio thread. The one I/O is the `openai` kind's check that its server answers, done by
+the first build of a process for a server (see `wmo_trio.providers.openai.check_server`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ __all__ = [
 _REGISTRY: dict[str, str] = {
     "scripted": "wmo_trio.providers.scripted:ScriptedProvider",
     "anthropic": "wmo_trio.providers.anthropic:AnthropicProvider",
+    "openai": "wmo_trio.providers.openai:OpenAIProvider",
 }
 
 

@@ -1,0 +1,1075 @@
+"""The OpenAI-compatible provider, through the real `openai` SDK against a loopback server.
+
+Nothing of the SDK is mocked: every test sends real HTTP to `ChatCompletionsServer` (see
+tests/openai_server.py), which answers from a queue, records what it received, and plays
+the unfaithful servers real users point the provider at (broken tool-call arguments,
+missing usage, 429s, 5xx storms, connection resets).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai_server as api
+import pytest
+import trio
+from doubles import RecordingControl
+from openai_server import ChatCompletionsServer
+
+from wmo_trio.episode.environment import LocalDirEnvironment
+from wmo_trio.episode.runtime import EpisodeRuntime
+from wmo_trio.harness import parse_harness
+from wmo_trio.models import RunResult, TokenUsage
+from wmo_trio.providers import build_provider
+from wmo_trio.providers.base import (
+    CallControl,
+    FinishReason,
+    Message,
+    Provider,
+    ProviderConfig,
+    ProviderConfigError,
+    ProviderError,
+    ProviderInterrupted,
+    ProviderRequest,
+    ToolCall,
+    ToolSpec,
+)
+from wmo_trio.providers.openai import OpenAIProvider
+
+KEY_ENV = "WMO_TEST_OPENAI_KEY"
+FAST_RETRY = {"max_attempts": 6, "base_delay_s": 0.01, "max_delay_s": 0.05, "retry_after_cap_s": 0.05}
+# A generous bound for things that would take many seconds (or an hour) if broken; real
+# runs take a fraction of it even on a loaded two-core machine.
+PROMPTLY_S = 5.0
+
+
+@pytest.fixture(autouse=True)
+def api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEY_ENV, api.API_KEY)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+
+
+@pytest.fixture
+def server() -> Iterator[ChatCompletionsServer]:
+    with ChatCompletionsServer() as running:
+        yield running
+
+
+@pytest.fixture
+def keyless_server() -> Iterator[ChatCompletionsServer]:
+    """A server that takes no key, like a local vLLM started without --api-key."""
+    with ChatCompletionsServer(api_key=None) as running:
+        yield running
+
+
+def settings(server: ChatCompletionsServer, **extra: Any) -> dict[str, Any]:
+    return {"kind": "openai", "model": api.MODEL, "api_key_env": KEY_ENV,
+            "base_url": server.base_url, **extra}
+
+
+@pytest.fixture
+def make_provider(server: ChatCompletionsServer) -> Iterator[Callable[..., OpenAIProvider]]:
+    made: list[OpenAIProvider] = []
+
+    def make(**extra: Any) -> OpenAIProvider:
+        provider = OpenAIProvider.from_config(ProviderConfig(**settings(server, **extra)))
+        made.append(provider)
+        return provider
+
+    yield make
+    for provider in made:
+        provider.close()
+
+
+@pytest.fixture
+def provider(make_provider: Callable[..., OpenAIProvider]) -> OpenAIProvider:
+    return make_provider()
+
+
+@pytest.fixture
+def make_built(server: ChatCompletionsServer) -> Iterator[Callable[..., Provider]]:
+    """Providers from `build_provider`, i.e. wrapped in the retry policy."""
+    made: list[Provider] = []
+
+    def make(**extra: Any) -> Provider:
+        built = build_provider(settings(server, **extra))
+        made.append(built)
+        return built
+
+    yield make
+    for built in made:
+        built.close()
+
+
+def request(*messages: Message, system: str = "You are a test.", tools: list[ToolSpec] | None = None,
+            temperature: float | None = None, max_output_tokens: int = 256) -> ProviderRequest:
+    return ProviderRequest(
+        system=system,
+        messages=list(messages) or [Message(role="user", content="hello")],
+        tools=tools or [],
+        max_output_tokens=max_output_tokens,
+        temperature=temperature,
+    )
+
+
+def user(text: str) -> Message:
+    return Message(role="user", content=text)
+
+
+def call(call_id: str, name: str = "bash", arguments: dict[str, Any] | None = None,
+         raw: str | None = None) -> ToolCall:
+    return ToolCall(id=call_id, name=name, raw_arguments=raw,
+                    arguments=arguments if arguments is not None else {"command": "ls"})
+
+
+def tool_result(call_id: str, text: str, is_error: bool = False) -> Message:
+    return Message(role="tool", tool_call_id=call_id, content=text, is_error=is_error)
+
+
+def sent(server: ChatCompletionsServer, provider: OpenAIProvider, req: ProviderRequest) -> dict[str, Any]:
+    """The body the provider sends for `req`."""
+    server.enqueue(api.text("ok"))
+    provider.complete(req, CallControl())
+    body: dict[str, Any] = server.bodies[-1]
+    return body
+
+
+def answer(server: ChatCompletionsServer, provider: Provider, reply: api.Reply) -> Any:
+    server.enqueue(reply)
+    return provider.complete(request(), CallControl())
+
+
+def interrupt_when(condition: Callable[[], bool], control: CallControl) -> threading.Thread:
+    """A started thread that interrupts `control` (from outside, as an episode abort does)
+    as soon as `condition()` holds."""
+
+    def watch() -> None:
+        limit = time.monotonic() + PROMPTLY_S
+        while not condition() and time.monotonic() < limit:
+            time.sleep(0.01)
+        control.interrupt()
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    return thread
+
+
+def closed_port() -> socket.socket:
+    """A socket bound to a loopback port and not listening: connecting to it is refused,
+    and no other process can take the port while the socket is held."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    return held
+
+
+# -- request mapping -------------------------------------------------------------------
+
+
+def test_the_system_prompt_is_the_first_message(server: ChatCompletionsServer,
+                                                provider: OpenAIProvider) -> None:
+    body = sent(server, provider, request(user("hi"), system="Be brief."))
+    assert body["messages"] == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "hi"}]
+    assert body["model"] == api.MODEL
+    assert server.completions[-1].path == "/v1/chat/completions"
+
+
+def test_a_blank_system_prompt_sends_no_system_message(server: ChatCompletionsServer,
+                                                        provider: OpenAIProvider) -> None:
+    body = sent(server, provider, request(user("hi"), system="  \n"))
+    assert [m["role"] for m in body["messages"]] == ["user"]
+
+
+def test_the_api_key_is_sent_as_a_bearer_token(server: ChatCompletionsServer,
+                                               provider: OpenAIProvider) -> None:
+    sent(server, provider, request())
+    assert server.completions[-1].headers["authorization"] == f"Bearer {api.API_KEY}"
+
+
+def test_tool_specs_are_sent_as_function_tools(server: ChatCompletionsServer,
+                                               provider: OpenAIProvider) -> None:
+    schema = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
+    body = sent(server, provider, request(
+        tools=[ToolSpec(name="bash", description="Run a command.", parameters=schema)]))
+    assert body["tools"] == [{"type": "function", "function": {
+        "name": "bash", "description": "Run a command.", "parameters": schema}}]
+
+
+def test_no_tools_sends_no_tools_field(server: ChatCompletionsServer, provider: OpenAIProvider) -> None:
+    assert "tools" not in sent(server, provider, request())
+
+
+def test_assistant_tool_calls_and_their_results_are_sent_in_order(server: ChatCompletionsServer,
+                                                                  provider: OpenAIProvider) -> None:
+    body = sent(server, provider, request(
+        user("go"),
+        Message(role="assistant", content="Looking first.", tool_calls=[
+            call("c1", "bash", {"command": "ls"}, raw='{"command":  "ls"}'),
+            call("c2", "read_file", {"path": "a.txt"}),
+        ]),
+        tool_result("c1", "a.txt"), tool_result("c2", "boom", is_error=True), user("nudge"),
+    ))
+    assert body["messages"][1:] == [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "Looking first.", "tool_calls": [
+            # The model's own text goes back unchanged, so a prefix cache still matches.
+            {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command":  "ls"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "read_file",
+                                                          "arguments": '{"path":"a.txt"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+        {"role": "tool", "tool_call_id": "c2", "content": "boom"},
+        {"role": "user", "content": "nudge"},
+    ]
+
+
+def test_an_unparsed_tool_call_goes_back_with_empty_object_arguments(server: ChatCompletionsServer,
+                                                                     provider: OpenAIProvider) -> None:
+    # Servers that re-parse the history (vLLM for its chat templates) refuse invalid JSON
+    # there, which would fail every later turn of an episode that could recover.
+    unparsed = ToolCall(id="c1", name="write_file", arguments=None, raw_arguments='{"path": ',
+                        parse_error="invalid JSON: Expecting value")
+    body = sent(server, provider, request(
+        user("go"), Message(role="assistant", content="", tool_calls=[unparsed]),
+        tool_result("c1", "invalid write_file arguments"),
+    ))
+    assert body["messages"][2] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "write_file", "arguments": "{}"}}]}
+
+
+def test_an_assistant_message_without_tool_calls_is_plain_text(server: ChatCompletionsServer,
+                                                               provider: OpenAIProvider) -> None:
+    body = sent(server, provider, request(
+        user("go"), Message(role="assistant", content=""), user("call a tool")))
+    assert body["messages"][1:] == [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "call a tool"},
+    ]
+
+
+def test_a_tool_message_without_a_call_id_is_refused_before_sending(server: ChatCompletionsServer,
+                                                                    provider: OpenAIProvider) -> None:
+    with pytest.raises(ProviderError, match="tool_call_id"):
+        provider.complete(request(user("go"), Message(role="tool", content="x")), CallControl())
+    assert server.completions == []
+
+
+def test_max_output_tokens_is_max_tokens_by_default(server: ChatCompletionsServer,
+                                                    provider: OpenAIProvider) -> None:
+    body = sent(server, provider, request(max_output_tokens=777))
+    assert body["max_tokens"] == 777
+    assert "max_completion_tokens" not in body
+
+
+def test_max_tokens_field_selects_max_completion_tokens(server: ChatCompletionsServer,
+                                                        make_provider: Callable[..., OpenAIProvider]) -> None:
+    provider = make_provider(max_tokens_field="max_completion_tokens")
+    body = sent(server, provider, request(max_output_tokens=99))
+    assert body["max_completion_tokens"] == 99
+    assert "max_tokens" not in body
+
+
+def test_temperature_is_sent(server: ChatCompletionsServer, provider: OpenAIProvider) -> None:
+    assert sent(server, provider, request(temperature=0.3))["temperature"] == 0.3
+    assert "temperature" not in sent(server, provider, request(temperature=None))
+
+
+def test_send_temperature_false_leaves_it_out(server: ChatCompletionsServer,
+                                              make_provider: Callable[..., OpenAIProvider]) -> None:
+    assert "temperature" not in sent(server, make_provider(send_temperature=False), request(temperature=0.3))
+
+
+def test_extra_body_fields_join_the_request(server: ChatCompletionsServer,
+                                            make_provider: Callable[..., OpenAIProvider]) -> None:
+    extra = {"top_k": 20, "chat_template_kwargs": {"enable_thinking": False}, "tool_choice": "required"}
+    body = sent(server, make_provider(extra_body=extra), request(temperature=0.5))
+    assert {key: body[key] for key in extra} == extra
+    assert body["temperature"] == 0.5 and body["max_tokens"] == 256
+
+
+def test_headers_are_sent_with_every_request(server: ChatCompletionsServer,
+                                             make_provider: Callable[..., OpenAIProvider]) -> None:
+    provider = make_provider(headers={"HTTP-Referer": "https://example.org", "X-Title": "wmo"})
+    sent(server, provider, request())
+    headers = server.completions[-1].headers
+    assert (headers["http-referer"], headers["x-title"]) == ("https://example.org", "wmo")
+    assert headers["authorization"] == f"Bearer {api.API_KEY}"
+
+
+def test_without_a_key_no_authorization_header_is_sent(keyless_server: ChatCompletionsServer,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # The SDK would read OPENAI_API_KEY by itself and send it to whatever server this is.
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-must-not-leak")
+    provider = build_provider({"kind": "openai", "model": api.MODEL, "base_url": keyless_server.base_url,
+                               "api_key_env": None})
+    try:
+        keyless_server.enqueue(api.text("no key needed"))
+        assert provider.complete(request(), CallControl()).text == "no key needed"
+    finally:
+        provider.close()
+    assert all("authorization" not in r.headers for r in keyless_server.requests)
+
+
+# -- response mapping ------------------------------------------------------------------
+
+
+def test_a_text_reply(server: ChatCompletionsServer, provider: OpenAIProvider) -> None:
+    response = answer(server, provider, api.text("Hello."))
+    assert (response.text, response.tool_calls, response.finish_reason) == ("Hello.", [], FinishReason.STOP)
+
+
+def test_text_and_several_tool_calls_in_one_reply_are_all_kept_in_order(
+        server: ChatCompletionsServer, provider: OpenAIProvider) -> None:
+    response = answer(server, provider, api.tool_calls(
+        api.tool_call("bash", {"command": "ls -l"}, id_="c1"),
+        api.tool_call("read_file", {"path": "x"}, id_="c2"),
+        api.tool_call("submit", {"answer": "done"}, id_="c3"),
+        text_="Looking."))
+    assert response.text == "Looking."
+    assert [(c.id, c.name, c.arguments) for c in response.tool_calls] == [
+        ("c1", "bash", {"command": "ls -l"}), ("c2", "read_file", {"path": "x"}),
+        ("c3", "submit", {"answer": "done"})]
+    assert response.finish_reason is FinishReason.TOOL_CALLS
+
+
+def test_arguments_that_are_not_json_give_an_unparsed_call(server: ChatCompletionsServer,
+                                                           provider: OpenAIProvider) -> None:
+    response = answer(server, provider, api.tool_calls(
+        api.tool_call("write_file", '{"path": "a.txt", "content": "unterminated', id_="bad"),
+        api.tool_call("bash", {"command": "ls"}, id_="good")))
+    bad, good = response.tool_calls
+    assert bad.arguments is None
+    assert bad.raw_arguments == '{"path": "a.txt", "content": "unterminated'
+    assert bad.parse_error is not None and bad.parse_error.startswith("invalid JSON: ")
+    assert good.arguments == {"command": "ls"} and good.parse_error is None
+
+
+@pytest.mark.parametrize("arguments", ['["ls"]', '"ls"', "42", "null"])
+def test_arguments_that_are_json_but_not_an_object_give_an_unparsed_call(
+        server: ChatCompletionsServer, provider: OpenAIProvider, arguments: str) -> None:
+    [tool_call] = answer(server, provider, api.tool_calls(api.tool_call("bash", arguments))).tool_calls
+    assert (tool_call.arguments, tool_call.raw_arguments) == (None, arguments)
+    assert tool_call.parse_error == "arguments are not a JSON object"
+
+
+def test_arguments_sent_as_an_object_are_taken_as_they_are(server: ChatCompletionsServer,
+                                                           provider: OpenAIProvider) -> None:
+    raw_call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": {"command": "ls"}}}
+    [tool_call] = answer(server, provider, api.tool_calls(raw_call)).tool_calls
+    assert tool_call.arguments == {"command": "ls"}
+
+
+@pytest.mark.parametrize("arguments", ["", "  ", None])
+def test_empty_arguments_are_a_call_without_arguments(server: ChatCompletionsServer,
+                                                      provider: OpenAIProvider, arguments: Any) -> None:
+    raw_call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": arguments}}
+    [tool_call] = answer(server, provider, api.tool_calls(raw_call)).tool_calls
+    assert (tool_call.arguments, tool_call.parse_error) == ({}, None)
+
+
+def test_missing_and_repeated_call_ids_are_made_distinct(server: ChatCompletionsServer,
+                                                         provider: OpenAIProvider) -> None:
+    response = answer(server, provider, api.tool_calls(
+        {"function": {"name": "bash", "arguments": '{"command": "a"}'}},
+        {"id": "same", "function": {"name": "bash", "arguments": '{"command": "b"}'}},
+        {"id": "same", "function": {"name": "bash", "arguments": '{"command": "c"}'}}))
+    ids = [c.id for c in response.tool_calls]
+    assert len(set(ids)) == 3 and all(ids) and ids[1] == "same"
+    assert [c.arguments for c in response.tool_calls] == [
+        {"command": "a"}, {"command": "b"}, {"command": "c"}]
+
+
+def test_deeply_nested_arguments_give_an_unparsed_call(server: ChatCompletionsServer,
+                                                      provider: OpenAIProvider) -> None:
+    nested = "[" * 100_000 + "]" * 100_000
+    [tool_call] = answer(server, provider, api.tool_calls(api.tool_call("bash", nested))).tool_calls
+    assert (tool_call.arguments, tool_call.parse_error) == (None, "invalid JSON: nested too deeply")
+
+
+def test_lone_surrogates_in_a_reply_become_replacement_characters(server: ChatCompletionsServer,
+                                                                  provider: OpenAIProvider) -> None:
+    # JSON may escape half of a surrogate pair; such a string cannot be encoded again.
+    response = answer(server, provider, api.tool_calls(
+        api.tool_call("bash", {"command": "echo \ud800ok", "\udfff": "x"}), text_="odd \udc00 text"))
+    assert response.text == "odd \ufffd text"
+    assert response.tool_calls[0].arguments == {"command": "echo \ufffdok", "\ufffd": "x"}
+    assert "\ud800" not in (response.tool_calls[0].raw_arguments or "")
+
+
+@pytest.mark.parametrize(("finish_reason", "with_calls", "finish"), [
+    ("stop", False, FinishReason.STOP),
+    ("length", False, FinishReason.LENGTH),
+    ("length", True, FinishReason.LENGTH),
+    ("content_filter", False, FinishReason.CONTENT_FILTER),
+    ("tool_calls", True, FinishReason.TOOL_CALLS),
+    ("function_call", True, FinishReason.TOOL_CALLS),
+    ("stop", True, FinishReason.STOP),  # vLLM and others say stop after tool calls
+    (None, False, FinishReason.STOP),
+    (None, True, FinishReason.TOOL_CALLS),
+    ("eos", False, FinishReason.STOP),
+    ("abort", True, FinishReason.TOOL_CALLS),
+])
+def test_finish_reasons(server: ChatCompletionsServer, provider: OpenAIProvider,
+                        finish_reason: str | None, with_calls: bool, finish: FinishReason) -> None:
+    calls = [api.tool_call("bash", {"command": "ls"})] if with_calls else []
+    reply = api.completion({"content": "x", "tool_calls": calls or None}, finish_reason=finish_reason)
+    assert answer(server, provider, reply).finish_reason is finish
+
+
+def test_content_parts_are_joined(server: ChatCompletionsServer, provider: OpenAIProvider) -> None:
+    reply = api.completion({"content": ["Hello, ", {"type": "text", "text": "world."}, {"type": "image"}]})
+    assert answer(server, provider, reply).text == "Hello, world."
+
+
+def test_a_refusal_is_the_text_and_a_content_filter_finish(server: ChatCompletionsServer,
+                                                           provider: OpenAIProvider) -> None:
+    response = answer(server, provider, api.completion({"content": None, "refusal": "I can't help."}))
+    assert (response.text, response.finish_reason) == ("I can't help.", FinishReason.CONTENT_FILTER)
+
+
+def test_reasoning_fields_are_left_out_of_the_text(server: ChatCompletionsServer,
+                                                   provider: OpenAIProvider) -> None:
+    reply = api.completion({"content": "Answer.", "reasoning_content": "secret", "reasoning": "secret"})
+    assert answer(server, provider, reply).text == "Answer."
+
+
+def test_usage_with_cached_tokens(server: ChatCompletionsServer, provider: OpenAIProvider) -> None:
+    response = answer(server, provider, api.text("x", usage_=api.usage(1200, 34, cached=1000)))
+    assert response.usage == TokenUsage(
+        input_tokens=1200, output_tokens=34, cached_input_tokens=1000, calls=1)
+
+
+def test_usage_with_deepseek_cache_hits(server: ChatCompletionsServer, provider: OpenAIProvider) -> None:
+    reply = api.text("x", usage_={"prompt_tokens": 500, "completion_tokens": 7,
+                                  "prompt_cache_hit_tokens": 300})
+    assert answer(server, provider, reply).usage == TokenUsage(
+        input_tokens=500, output_tokens=7, cached_input_tokens=300, calls=1)
+
+
+@pytest.mark.parametrize("usage", [None, {}, {"prompt_tokens": None, "completion_tokens": -3},
+                                   {"prompt_tokens": "many", "prompt_tokens_details": None}])
+def test_missing_or_broken_usage_counts_the_call_with_zero_tokens(
+        server: ChatCompletionsServer, provider: OpenAIProvider, usage: Any) -> None:
+    response = answer(server, provider, api.text("still fine", usage_=usage))
+    assert response.text == "still fine"
+    assert response.usage == TokenUsage(calls=1)
+
+
+@pytest.mark.parametrize("body", [
+    {"choices": []},
+    {"id": "x", "object": "chat.completion"},
+    {"error": {"message": "upstream model failed", "code": 502}},
+])
+def test_a_reply_without_choices_is_a_retryable_failure(server: ChatCompletionsServer,
+                                                         provider: OpenAIProvider, body: Any) -> None:
+    with pytest.raises(ProviderError) as caught:
+        answer(server, provider, api.Reply(200, body))
+    assert caught.value.retryable
+    assert "without a choice" in str(caught.value)
+    if "error" in body:
+        assert "upstream model failed" in str(caught.value) and caught.value.status == 502
+
+
+def test_a_reply_without_choices_with_a_client_error_code_is_not_retried(
+        server: ChatCompletionsServer, provider: OpenAIProvider) -> None:
+    with pytest.raises(ProviderError) as caught:
+        answer(server, provider, api.Reply(200, {"error": {"message": "context too long", "code": 400}}))
+    assert (caught.value.status, caught.value.retryable) == (400, False)
+
+
+def test_a_reply_that_is_a_web_page_is_a_failure_naming_base_url(server: ChatCompletionsServer,
+                                                                 provider: OpenAIProvider) -> None:
+    with pytest.raises(ProviderError) as caught:
+        answer(server, provider, api.raw(b"<html>Welcome to nginx</html>"))
+    assert not caught.value.retryable
+    assert server.base_url in str(caught.value) and "nginx" in str(caught.value)
+
+
+def test_a_broken_json_reply_is_a_retryable_failure(server: ChatCompletionsServer,
+                                                    provider: OpenAIProvider) -> None:
+    with pytest.raises(ProviderError) as caught:
+        answer(server, provider, api.raw(b'{"choices": [', content_type="application/json"))
+    assert caught.value.retryable
+    assert "not JSON" in str(caught.value)
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("status", "retryable"), [
+    (400, False), (401, False), (403, False), (404, False), (413, False), (422, False),
+    (408, True), (409, True), (429, True), (500, True), (502, True), (503, True), (504, True), (529, True),
+])
+def test_status_errors_say_whether_a_retry_may_help(server: ChatCompletionsServer, provider: OpenAIProvider,
+                                                    status: int, retryable: bool) -> None:
+    with pytest.raises(ProviderError) as caught:
+        answer(server, provider, api.error(status, "nope"))
+    assert (caught.value.status, caught.value.retryable) == (status, retryable)
+    assert "nope" in str(caught.value)
+    assert len(server.completions) == 1  # the SDK's own retries are off
+
+
+def test_an_error_page_that_is_not_json_is_quoted(server: ChatCompletionsServer,
+                                                  provider: OpenAIProvider) -> None:
+    with pytest.raises(ProviderError) as caught:
+        answer(server, provider, api.raw(b"<html>502 Bad Gateway</html>", status=502))
+    assert caught.value.status == 502 and caught.value.retryable
+    assert "502 Bad Gateway" in str(caught.value)
+
+
+def test_retry_after_is_read_as_seconds(server: ChatCompletionsServer, provider: OpenAIProvider) -> None:
+    with pytest.raises(ProviderError) as caught:
+        answer(server, provider, api.error(429, headers={"retry-after": "7"}))
+    assert caught.value.retry_after == 7.0
+
+
+def test_retry_after_ms_is_read_as_milliseconds(server: ChatCompletionsServer,
+                                                provider: OpenAIProvider) -> None:
+    with pytest.raises(ProviderError) as caught:
+        answer(server, provider, api.error(429, headers={"retry-after-ms": "1500", "retry-after": "9"}))
+    assert caught.value.retry_after == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("reply", [api.reset(), api.dropped()], ids=["reset", "dropped"])
+def test_a_broken_connection_is_a_retryable_error(server: ChatCompletionsServer, provider: OpenAIProvider,
+                                                  reply: api.Reply) -> None:
+    with pytest.raises(ProviderError) as caught:
+        answer(server, provider, reply)
+    assert caught.value.retryable
+    assert caught.value.status is None
+    assert "connection failed" in str(caught.value)
+
+
+def test_a_reply_slower_than_timeout_s_is_a_retryable_timeout(
+        server: ChatCompletionsServer, make_provider: Callable[..., OpenAIProvider]) -> None:
+    provider = make_provider(timeout_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(ProviderError) as caught:
+        answer(server, provider, api.text("late").slow(30))
+    assert caught.value.retryable
+    assert not isinstance(caught.value, ProviderInterrupted)
+    assert time.monotonic() - started < PROMPTLY_S
+
+
+def test_the_http_timeout_is_the_episode_remaining_budget(server: ChatCompletionsServer,
+                                                          provider: OpenAIProvider) -> None:
+    server.enqueue(api.text("ok"))
+    provider.complete(request(), CallControl(deadline=time.monotonic() + 42))
+    assert 30 < float(server.completions[-1].headers["x-stainless-read-timeout"]) <= 42
+
+
+def test_the_http_timeout_is_capped_by_timeout_s(server: ChatCompletionsServer,
+                                                 make_provider: Callable[..., OpenAIProvider]) -> None:
+    server.enqueue(api.text("ok"))
+    make_provider(timeout_s=7).complete(request(), CallControl(deadline=time.monotonic() + 1000))
+    assert float(server.completions[-1].headers["x-stainless-read-timeout"]) == 7
+
+
+def test_an_interrupt_cancels_the_call_in_flight(server: ChatCompletionsServer,
+                                                  provider: OpenAIProvider) -> None:
+    server.enqueue(api.text("never seen").slow(60))
+    control = CallControl()
+    interrupter = interrupt_when(lambda: bool(server.completions), control)
+    started = time.monotonic()
+    with pytest.raises(ProviderInterrupted):
+        provider.complete(request(), control)
+    assert time.monotonic() - started < PROMPTLY_S
+    interrupter.join()
+
+
+def test_an_interrupt_cancels_the_call_in_flight_on_the_trio_run(server: ChatCompletionsServer,
+                                                                  provider: OpenAIProvider) -> None:
+    # As in an engine episode: the worker thread's call runs in the trio run that waits for it.
+    server.enqueue(api.text("never seen").slow(60))
+    control = CallControl()
+    interrupter = interrupt_when(lambda: bool(server.completions), control)
+
+    async def main() -> float:
+        started = time.monotonic()
+        with pytest.raises(ProviderInterrupted):
+            await trio.to_thread.run_sync(provider.complete, request(), control)
+        return time.monotonic() - started
+
+    assert trio.run(main) < PROMPTLY_S
+    interrupter.join()
+
+
+def test_providers_of_one_configuration_share_a_client_per_trio_run(
+        server: ChatCompletionsServer, make_provider: Callable[..., OpenAIProvider]) -> None:
+    # One connection pool per process and configuration: two agents' providers reuse one
+    # keep-alive connection; other settings get a client of their own.
+    first, second, other = make_provider(), make_provider(), make_provider(timeout_s=99)
+    server.enqueue(*(api.text("ok") for _ in range(4)))
+
+    async def main() -> None:
+        for one in (first, second, first, other):
+            await trio.to_thread.run_sync(one.complete, request(), CallControl())
+
+    trio.run(main)
+    ports = [recorded.client_port for recorded in server.completions]
+    assert ports[0] == ports[1] == ports[2] != ports[3]
+
+
+def test_max_connections_bounds_the_pool_and_still_serves_concurrent_calls(
+        server: ChatCompletionsServer, make_provider: Callable[..., OpenAIProvider]) -> None:
+    provider = make_provider(max_connections=2)
+    server.enqueue(*(api.text("ok").slow(0.05) for _ in range(6)))
+    results: list[str] = []
+
+    async def main() -> None:
+        async def one() -> None:
+            response = await trio.to_thread.run_sync(provider.complete, request(), CallControl())
+            results.append(response.text)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(6):
+                nursery.start_soon(one)
+
+    trio.run(main)
+    assert results == ["ok"] * 6
+    assert len({r.client_port for r in server.completions}) <= 2
+
+
+def test_an_interrupted_control_sends_nothing(server: ChatCompletionsServer,
+                                              provider: OpenAIProvider) -> None:
+    control = CallControl()
+    control.interrupt()
+    with pytest.raises(ProviderInterrupted):
+        provider.complete(request(), control)
+    assert server.completions == []
+
+
+def test_a_spent_budget_sends_nothing(server: ChatCompletionsServer, provider: OpenAIProvider) -> None:
+    with pytest.raises(ProviderInterrupted):
+        provider.complete(request(), CallControl(deadline=time.monotonic() - 1))
+    assert server.completions == []
+
+
+def test_close_is_idempotent_and_later_calls_fail(server: ChatCompletionsServer,
+                                                  provider: OpenAIProvider) -> None:
+    provider.close()
+    provider.close()
+    with pytest.raises(ProviderError, match="closed"):
+        provider.complete(request(), CallControl())
+    assert server.completions == []
+
+
+# -- with wmo_trio's retry policy (build_provider) ---------------------------------------
+
+
+def test_a_429_with_retry_after_waits_as_asked_then_succeeds(server: ChatCompletionsServer,
+                                                             make_built: Callable[..., Provider]) -> None:
+    server.enqueue(api.error(429, headers={"retry-after": "0.2"}), api.text("finally"))
+    control = RecordingControl()
+    built = make_built(retry={**FAST_RETRY, "retry_after_cap_s": 10})
+    assert built.complete(request(), control).text == "finally"
+    assert control.sleeps == [0.2]
+    assert len(server.completions) == 2
+
+
+def test_an_hour_long_retry_after_is_capped(server: ChatCompletionsServer,
+                                            make_built: Callable[..., Provider]) -> None:
+    server.enqueue(api.error(429, headers={"retry-after": "3600"}), api.text("ok"))
+    control = RecordingControl(deadline=time.monotonic() + 60)
+    started = time.monotonic()
+    built = make_built(retry={**FAST_RETRY, "retry_after_cap_s": 0.2})
+    assert built.complete(request(), control).text == "ok"
+    assert control.sleeps == [0.2]
+    assert time.monotonic() - started < PROMPTLY_S
+
+
+def test_a_5xx_storm_is_ridden_out(server: ChatCompletionsServer,
+                                   make_built: Callable[..., Provider]) -> None:
+    server.enqueue(api.error(500), api.error(502), api.error(503), api.raw(b"busy", status=504),
+                   api.text("up"))
+    assert make_built(retry=FAST_RETRY).complete(request(), CallControl()).text == "up"
+    assert len(server.completions) == 5
+
+
+def test_retries_stop_at_max_attempts(server: ChatCompletionsServer,
+                                      make_built: Callable[..., Provider]) -> None:
+    server.enqueue(*(api.error(503) for _ in range(5)))
+    with pytest.raises(ProviderError) as caught:
+        make_built(retry={**FAST_RETRY, "max_attempts": 3}).complete(request(), CallControl())
+    assert caught.value.status == 503
+    assert len(server.completions) == 3
+
+
+def test_a_connection_reset_is_retried(server: ChatCompletionsServer,
+                                       make_built: Callable[..., Provider]) -> None:
+    server.enqueue(api.reset(), api.dropped(), api.text("third try"))
+    assert make_built(retry=FAST_RETRY).complete(request(), CallControl()).text == "third try"
+    assert len(server.completions) == 3
+
+
+def test_a_400_is_not_retried(server: ChatCompletionsServer, make_built: Callable[..., Provider]) -> None:
+    server.enqueue(api.error(400, "bad request"), api.text("unused"))
+    with pytest.raises(ProviderError) as caught:
+        make_built(retry=FAST_RETRY).complete(request(), CallControl())
+    assert caught.value.status == 400
+    assert len(server.completions) == 1
+
+
+def test_a_cancel_during_backoff_returns_promptly(server: ChatCompletionsServer,
+                                                  make_built: Callable[..., Provider]) -> None:
+    server.enqueue(api.error(429, headers={"retry-after": "20"}), api.text("too late"))
+    control = RecordingControl()
+    interrupter = interrupt_when(lambda: bool(control.sleeps), control)  # i.e. in the backoff
+    started = time.monotonic()
+    with pytest.raises(ProviderInterrupted):
+        make_built(retry={"retry_after_cap_s": 20}).complete(request(), control)
+    assert time.monotonic() - started < PROMPTLY_S
+    assert control.sleeps == [20]
+    assert len(server.completions) == 1
+    interrupter.join()
+
+
+def test_usage_of_a_reply_without_choices_is_kept_across_the_retry(
+        server: ChatCompletionsServer, make_built: Callable[..., Provider]) -> None:
+    server.enqueue(api.Reply(200, {"choices": [], "usage": api.usage(100, 0)}),
+                   api.text("ok", usage_=api.usage(100, 5)))
+    response = make_built(retry=FAST_RETRY).complete(request(), CallControl())
+    assert response.usage == TokenUsage(input_tokens=200, output_tokens=5, calls=2)
+
+
+# -- configuration ---------------------------------------------------------------------
+
+
+def test_a_missing_api_key_fails_at_construction_naming_the_variable(
+        server: ChatCompletionsServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(KEY_ENV)
+    with pytest.raises(ProviderConfigError, match=KEY_ENV) as caught:
+        build_provider(settings(server))
+    assert '"api_key_env": null' in str(caught.value)
+    assert server.requests == []
+
+
+def test_the_default_key_variable_is_openai_api_key(server: ChatCompletionsServer,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(ProviderConfigError, match="OPENAI_API_KEY"):
+        build_provider({"kind": "openai", "model": "m", "base_url": server.base_url})
+
+
+def test_no_key_without_a_base_url_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ProviderConfigError, match="needs a base_url"):
+        build_provider({"kind": "openai", "model": "m", "api_key_env": None})
+
+
+def test_an_unreachable_base_url_fails_at_construction_naming_it() -> None:
+    with closed_port() as held:
+        base_url = f"http://127.0.0.1:{held.getsockname()[1]}/v1"
+        with pytest.raises(ProviderConfigError) as caught:
+            build_provider({"kind": "openai", "model": "m", "api_key_env": KEY_ENV, "base_url": base_url})
+    message = str(caught.value)
+    assert f"cannot reach base_url {base_url}" in message
+    assert "ConnectionRefusedError" in message and "check_server" in message
+
+
+def test_an_unreachable_base_url_may_skip_the_check() -> None:
+    with closed_port() as held:
+        base_url = f"http://127.0.0.1:{held.getsockname()[1]}/v1"
+        built = build_provider({"kind": "openai", "model": "m", "api_key_env": KEY_ENV,
+                                "base_url": base_url, "check_server": False, "retry": FAST_RETRY})
+        with pytest.raises(ProviderError, match="connection failed") as caught:
+            built.complete(request(), CallControl())
+    assert caught.value.retryable
+
+
+def test_a_server_that_wants_a_key_refuses_api_key_env_null(server: ChatCompletionsServer) -> None:
+    with pytest.raises(ProviderConfigError, match="wants an API key") as caught:
+        build_provider({**settings(server), "api_key_env": None})
+    assert "api_key_env" in str(caught.value)
+
+
+def test_a_wrong_key_is_refused_naming_its_variable(server: ChatCompletionsServer,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEY_ENV, "sk-wrong")
+    with pytest.raises(ProviderConfigError, match=f"refused the API key in {KEY_ENV}"):
+        build_provider(settings(server))
+
+
+def test_a_base_url_without_the_api_path_is_refused_suggesting_v1(server: ChatCompletionsServer) -> None:
+    root = server.base_url.removesuffix("/v1")
+    with pytest.raises(ProviderConfigError, match="/v1") as caught:
+        build_provider(settings(server, base_url=root))
+    assert f"no OpenAI-compatible API at base_url {root}" in str(caught.value)
+
+
+def test_the_server_is_checked_once_per_process_and_configuration(
+        server: ChatCompletionsServer, make_provider: Callable[..., OpenAIProvider]) -> None:
+    # Harbor's preflight builds the provider first, then every trial does: only the
+    # first asks the server.
+    make_provider(), make_provider(), make_provider(timeout_s=5)
+    assert [(r.method, r.path) for r in server.requests] == [("GET", "/v1/models")]
+    make_provider(headers={"X-Title": "other"})
+    assert len(server.requests) == 2
+    assert server.requests[1].headers["x-title"] == "other"
+
+
+def test_base_url_defaults_to_openai_base_url(server: ChatCompletionsServer,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+    built = build_provider({"kind": "openai", "model": api.MODEL, "api_key_env": KEY_ENV})
+    try:
+        server.enqueue(api.text("via env"))
+        assert built.complete(request(), CallControl()).text == "via env"
+    finally:
+        built.close()
+
+
+def test_an_unknown_setting_is_refused_naming_the_known_ones(server: ChatCompletionsServer) -> None:
+    with pytest.raises(ProviderConfigError) as caught:
+        build_provider(settings(server, temprature=0.2))
+    message = str(caught.value)
+    assert "temprature" in message
+    for known in ("api_key_env", "base_url", "timeout_s", "max_connections", "max_tokens_field",
+                  "send_temperature", "headers", "extra_body", "check_server", "retry", "record"):
+        assert known in message
+
+
+@pytest.mark.parametrize("extra", [
+    {"timeout_s": 0}, {"timeout_s": "600"}, {"max_connections": 0}, {"base_url": ""},
+    {"base_url": "localhost:8000/v1"}, {"base_url": "ftp://example.org/v1"}, {"base_url": "http://[::1/v1"},
+    {"api_key_env": ""}, {"max_tokens_field": "max_new_tokens"}, {"send_temperature": "no"},
+    {"headers": {"Authorization": "Bearer sk-in-a-config-file"}}, {"headers": {"X-Title": 1}},
+    {"headers": {"bad name": "x"}}, {"headers": {"X-Title": "a\r\nInjected: yes"}},
+    {"extra_body": {"messages": []}}, {"extra_body": {"stream": True}}, {"extra_body": {"max_tokens": 5}},
+    {"extra_body": "top_k=20"}, {"extra_body": {"top_k": float("nan")}}, {"check_server": 0},
+])
+def test_bad_setting_values_are_refused(server: ChatCompletionsServer, extra: dict[str, Any]) -> None:
+    with pytest.raises(ProviderConfigError, match=next(iter(extra))):
+        build_provider(settings(server, **extra))
+    assert server.requests == []
+
+
+def test_a_key_put_in_headers_is_refused_without_quoting_it(server: ChatCompletionsServer) -> None:
+    with pytest.raises(ProviderConfigError, match="api_key_env") as caught:
+        build_provider(settings(server, headers={"authorization": "Bearer sk-secret-value"}))
+    assert "sk-secret-value" not in str(caught.value)
+
+
+def test_building_a_provider_imports_no_sdk() -> None:
+    # The SDK is imported, and its client built, in a worker thread on the first call:
+    # never where a provider is built (harbor's event loop, for each trial's agent).
+    script = ("import sys\n"
+              "from wmo_trio.providers import build_provider\n"
+              "build_provider({'kind': 'openai', 'model': 'm', 'api_key_env': None,\n"
+              "                'base_url': 'http://127.0.0.1:9/v1', 'check_server': False})\n"
+              "assert 'openai' not in sys.modules and 'httpx2' not in sys.modules, 'imported'\n")
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+
+
+# -- whole episodes: each unfaithful reply becomes what the contract says ------------------
+
+DOC = parse_harness({"name": "openai-episodes", "surfaces": [
+    {"id": "prompt:system", "kind": "prompt", "content": "You are a careful test agent."},
+]})
+INSTRUCTION = "Write 'hello' into greeting.txt, then submit."
+
+
+def run_episode(provider: Provider, workdir: Path) -> RunResult:
+    workdir.mkdir()
+    runtime = EpisodeRuntime(DOC, provider, episode_timeout_s=60)
+    try:
+        return runtime.run("greeting", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=10))
+    finally:
+        runtime.close()
+
+
+def test_an_episode_recovers_from_broken_arguments_and_runs_every_call_of_a_reply(
+        server: ChatCompletionsServer, make_built: Callable[..., Provider], tmp_path: Path) -> None:
+    server.enqueue(
+        api.tool_calls(api.tool_call("write_file", '{"path": "greeting.txt", "content": "hel', id_="c1")),
+        api.tool_calls(api.tool_call("write_file", {"path": "greeting.txt", "content": "hello"}, id_="c2"),
+                       api.tool_call("bash", {"command": "cat greeting.txt"}, id_="c3"),
+                       text_="Writing, then checking."),
+        api.tool_calls(api.tool_call("submit", {"answer": "done"}, id_="c4"), usage_=None),
+    )
+    result = run_episode(make_built(retry=FAST_RETRY), tmp_path / "work")
+    assert (result.stop_reason, result.answer) == ("submitted", "done")
+    assert (tmp_path / "work" / "greeting.txt").read_text() == "hello"
+    nudge, write, cat, submit = result.steps
+    assert submit.action.name == "submit"
+    assert nudge.observation.is_error and "could not be parsed" in nudge.observation.content
+    assert write.action.content == "Writing, then checking."
+    assert (cat.action.name, cat.observation.content.strip()) == ("bash", "hello")
+    # The model saw its broken call answered, as a tool message with the same id, then the nudge.
+    second_turn = server.bodies[1]["messages"]
+    assert second_turn[-2]["role"] == "tool" and second_turn[-2]["tool_call_id"] == "c1"
+    assert "could not parse them (invalid JSON" in second_turn[-2]["content"]
+    assert second_turn[-1] == {"role": "user", "content": nudge.observation.content}
+    assert result.worker_usage == TokenUsage(input_tokens=20, output_tokens=10, calls=3)
+
+
+def test_an_episode_whose_replies_are_cut_off_ends_as_output_truncated(
+        server: ChatCompletionsServer, make_built: Callable[..., Provider], tmp_path: Path) -> None:
+    server.enqueue(*(api.text("I will now write a very long", finish_reason="length") for _ in range(3)))
+    result = run_episode(make_built(retry=FAST_RETRY), tmp_path / "work")
+    assert result.stop_reason == "output_truncated"
+    assert result.worker_usage is not None and result.worker_usage.calls == 3
+
+
+def test_an_episode_whose_server_stays_down_ends_as_provider_error_with_its_usage(
+        server: ChatCompletionsServer, make_built: Callable[..., Provider], tmp_path: Path) -> None:
+    server.enqueue(api.tool_calls(api.tool_call("bash", {"command": "true"})),
+                   *(api.error(503) for _ in range(3)))
+    result = run_episode(make_built(retry={**FAST_RETRY, "max_attempts": 3}), tmp_path / "work")
+    assert result.stop_reason == "provider_error"
+    assert result.worker_usage is not None and result.worker_usage.calls == 1
+    assert "503" in result.steps[-1].observation.content
+
+
+def test_an_episode_goes_on_past_a_reply_with_lone_surrogates_and_records_it(
+        server: ChatCompletionsServer, make_built: Callable[..., Provider], tmp_path: Path) -> None:
+    server.enqueue(
+        api.tool_calls(api.tool_call("bash", {"command": "echo \ud800ok"}), text_="odd \udc00"),
+        api.tool_calls(api.tool_call("submit", {"answer": "done"})),
+    )
+    recording = tmp_path / "calls.jsonl"
+    result = run_episode(make_built(retry=FAST_RETRY, record=str(recording)), tmp_path / "work")
+    assert (result.stop_reason, result.answer) == ("submitted", "done")
+    assert result.steps[0].observation.content.strip() == "\ufffdok"
+    assert len(recording.read_text(encoding="utf-8").splitlines()) == 2
+
+
+# -- record and replay -----------------------------------------------------------------
+
+
+def test_a_recorded_episode_replays_the_same_through_scripted(
+        server: ChatCompletionsServer, make_built: Callable[..., Provider], tmp_path: Path) -> None:
+    recording = tmp_path / "calls.jsonl"
+    server.enqueue(
+        api.error(429, headers={"retry-after": "0"}),  # recorded as a failed attempt; replay skips it
+        api.tool_calls(api.tool_call("write_file", '["greeting.txt"]', id_="c_bad")),  # not an object
+        api.tool_calls(api.tool_call("write_file", '{"path": "greeting.txt", "content": "hel', id_="c_cut")),
+        api.tool_calls(api.tool_call("write_file", {"path": "greeting.txt", "content": "hello"}, id_="c_w"),
+                       text_="Writing the file.", usage_=api.usage(50, 20, cached=40)),
+        api.tool_calls(api.tool_call("submit", {"answer": "wrote greeting.txt"}, id_="c_s"), usage_=None),
+    )
+    recorded = run_episode(make_built(retry=FAST_RETRY, record=str(recording)), tmp_path / "live")
+    assert recorded.stop_reason == "submitted"
+    assert (tmp_path / "live" / "greeting.txt").read_text() == "hello"
+    lines = [json.loads(line) for line in recording.read_text().splitlines()]
+    assert ["error" in line for line in lines] == [True, False, False, False, False]
+
+    replayer = build_provider({"kind": "scripted", "model": "x", "replay": str(recording)})
+    try:
+        replayed = run_episode(replayer, tmp_path / "replay")
+    finally:
+        replayer.close()
+    assert (tmp_path / "replay" / "greeting.txt").read_text() == "hello"
+    assert replayed.steps == recorded.steps
+    assert (replayed.stop_reason, replayed.answer) == (recorded.stop_reason, recorded.answer)
+    assert replayed.worker_usage == recorded.worker_usage
+    assert [step.observation.is_error for step in recorded.steps] == [True, True, False, False]
+    assert len(server.completions) == 5
+
+
+# -- the command lines -------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wmo_trio_run(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "OPENAI_BASE_URL")}
+    return subprocess.run(
+        [sys.executable, "-c", "from wmo_trio.cli import main; main()", "run", "-o", "jobs",
+         "-p", str(ROOT / "examples/tasks/hello-file"), *args],
+        cwd=cwd, capture_output=True, text=True, timeout=300, env={**environment, **env})
+
+
+@pytest.mark.slow
+def test_wmo_trio_run_refuses_a_missing_key_and_an_unreachable_server_in_one_line(tmp_path: Path) -> None:
+    missing_key = wmo_trio_run("-m", "openai/test-model", cwd=tmp_path, env={})
+    with closed_port() as held:
+        unreachable = wmo_trio_run(
+            "-m", "openai/test-model", "--provider-config",
+            json.dumps({"base_url": f"http://127.0.0.1:{held.getsockname()[1]}/v1", "api_key_env": None}),
+            cwd=tmp_path, env={})
+    for completed, fragment in ((missing_key, "OPENAI_API_KEY"), (unreachable, "cannot reach base_url")):
+        lines = [line for line in completed.stderr.splitlines() if line.strip()]
+        assert completed.returncode == 2 and len(lines) == 1, completed.stderr
+        assert fragment in lines[0]
+    assert not (tmp_path / "jobs").exists()
+
+
+# -- a real harbor trial through harbor's command line -------------------------------------
+
+GREETING = {"path": "/app/greeting.txt", "content": "Hello from wmo_trio\n"}  # solves hello-file
+
+
+@pytest.mark.harbor
+def test_a_harbor_cli_trial_with_openai_model_runs_against_the_server(tmp_path: Path) -> None:
+    from test_harbor_agent import harbor_run
+
+    with ChatCompletionsServer() as server:
+        server.enqueue(
+            api.error(429, headers={"retry-after": "0"}),
+            api.tool_calls(api.tool_call("write_file", '{"path": "/app/greeting.txt", "content": "Hel')),
+            api.tool_calls(
+                api.tool_call("write_file", GREETING),
+                api.tool_call("bash", {"command": "cat /app/greeting.txt"}),
+                text_="Writing the file, then reading it back.", usage_=api.usage(900, 40, cached=600)),
+            api.tool_calls(api.tool_call("submit", {"answer": "wrote /app/greeting.txt"}), usage_=None),
+        )
+        provider_config = {"kind": "openai", "model": api.MODEL, "base_url": server.base_url,
+                           "api_key_env": KEY_ENV}
+        [trial] = harbor_run(tmp_path / "jobs", ROOT / "examples/tasks/hello-file",
+                             provider_config=provider_config, env={KEY_ENV: api.API_KEY}).trials()
+        requests = server.requests
+
+    assert (trial.reward, trial.exception_type) == (1.0, None), trial.describe()
+    trace = trial.trace
+    assert isinstance(trace, RunResult) and trace.stop_reason == "submitted"
+    assert [step.action.name for step in trace.steps] == [None, "write_file", "bash", "submit"]
+    assert trace.steps[2].observation.content.strip() == "Hello from wmo_trio"
+    # Usage reaches the trace and harbor's context, the cached tokens included.
+    assert trace.worker_usage == TokenUsage(input_tokens=910, output_tokens=45, cached_input_tokens=600,
+                                            calls=3)
+    agent = trial.agent_result
+    assert (agent["n_input_tokens"], agent["n_cache_tokens"], agent["n_output_tokens"]) == (910, 600, 45)
+    # The server was checked once, before the first call; then one request per attempt.
+    assert [(r.method, r.path) for r in requests] == [("GET", "/v1/models")] + [
+        ("POST", "/v1/chat/completions")] * 4
+    for recorded in requests[1:]:
+        assert recorded.headers["authorization"] == f"Bearer {api.API_KEY}"
+        assert recorded.body["model"] == api.MODEL
+        assert recorded.body["temperature"] == 0.2  # the example document's param:temperature
+        assert [t["function"]["name"] for t in recorded.body["tools"]] == [
+            "bash", "read_file", "write_file", "submit", "read_skill"]  # the example has a skill
+
+
+@pytest.mark.harbor
+def test_wmo_trio_run_with_openai_model_runs_a_job_against_a_keyless_server(tmp_path: Path) -> None:
+    with ChatCompletionsServer(api_key=None) as server:
+        server.enqueue(
+            api.tool_calls(
+                api.tool_call("write_file", GREETING)),
+            api.tool_calls(api.tool_call("submit", {"answer": "done"}), usage_=api.usage(300, 9, cached=256)),
+        )
+        completed = wmo_trio_run(
+            "-m", f"openai/{api.MODEL}", "--job-name", "keyless", "-e", "wmo_trio.harbor:LocalEnvironment",
+            "--provider-config", json.dumps({"base_url": server.base_url, "api_key_env": None}),
+            cwd=tmp_path, env={})
+        requests = server.requests
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    [result_file] = (tmp_path / "jobs" / "keyless").glob("*/result.json")
+    result = json.loads(result_file.read_text())
+    assert result["verifier_result"]["rewards"]["reward"] == 1.0
+    assert result["agent_result"]["metadata"]["stop_reason"] == "submitted"
+    assert (result["agent_result"]["n_input_tokens"], result["agent_result"]["n_cache_tokens"]) == (310, 256)
+    assert [(r.method, r.path) for r in requests] == [("GET", "/v1/models")] + [
+        ("POST", "/v1/chat/completions")] * 2
+    assert all("authorization" not in r.headers for r in requests)

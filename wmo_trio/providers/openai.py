@@ -1,0 +1,591 @@
+"""The OpenAI-compatible worker provider: Chat Completions through the official `openai`
+SDK, for OpenAI itself and for the servers that speak its API (vLLM, SGLang, Ollama,
+llama.cpp, OpenRouter and other gateways).
+
+Request mapping: the system prompt is a `system` message; assistant tool calls go back as
+`tool_calls` whose `arguments` are the model's own text when it parsed (so a server's
+prefix cache sees the tokens it generated), and `{}` when it did not (servers that re-parse
+the history refuse an invalid string, which would turn a recoverable slip into a failed
+episode); each tool result is a `tool` message. Chat Completions has no error flag for a
+tool result: the observation's text says what went wrong. The document's tools are sent
+as `tools` of type `function`; temperature and the output limit come from the request.
+
+Response mapping, for faithful and unfaithful servers alike: the text (a string or a list
+of text parts) and every tool call of the first choice; `arguments` that are not a JSON
+object give a tool call without arguments and with a `parse_error` (the scripted
+provider's wording), which the episode answers with an observation the model can recover
+from; a missing id is made up; `finish_reason` `length` is the output limit, an unknown or
+missing one is read from whether there are tool calls; a missing `usage` counts the call
+with zero tokens; a lone surrogate (half of an escaped pair) becomes U+FFFD. A reply
+without choices, or whose body is not JSON, is a retryable failure; a body that is not a
+chat completion at all is not.
+
+Model I/O is the Anthropic provider's design: the worker thread builds the body and maps
+the reply; the HTTP exchange runs on the trio thread (`CallControl.run_async`) through one
+`AsyncOpenAI` client per trio run and configuration, built (with the SDK's import) in a
+worker thread on first use and closed when the run ends. An interrupt cancels the call at
+once. The SDK's retries are off: wmo_trio's retry policy (`retry.py`) decides.
+
+Before anything runs, `from_config` checks that the server is there (`GET <base_url>/models`;
+see `check_server`), once per process and configuration, so harbor's preflight and
+`wmo-trio run`, which build the provider before any trial and off any event loop, pay for
+it and every trial's provider finds it done.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal, Self
+
+import trio
+from pydantic import Field
+
+from wmo_trio.control import CallInterrupted
+from wmo_trio.models import JsonObject, TokenUsage
+from wmo_trio.providers.anthropic import _run_clients, retry_after_seconds
+from wmo_trio.providers.base import (
+    CallControl,
+    FinishReason,
+    Message,
+    ProviderConfig,
+    ProviderConfigError,
+    ProviderError,
+    ProviderInterrupted,
+    ProviderRequest,
+    ProviderResponse,
+    ProviderSettings,
+    ToolCall,
+)
+from wmo_trio.providers.retry import is_retryable_status
+from wmo_trio.settings import NonEmptyText, PositiveInt, PositiveSeconds
+
+if TYPE_CHECKING:
+    import openai
+
+DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+DEFAULT_TIMEOUT_S = 600.0
+# How long the check that the server is there may take: it runs before anything else, once.
+CHECK_TIMEOUT_S = 10.0
+
+# Body fields `chat.completions.create` takes as arguments; the rest go in `extra_body`.
+_SDK_ARGUMENTS = frozenset({"model", "messages", "tools", "max_tokens", "max_completion_tokens",
+                            "temperature"})
+# Fields the provider sets from the request, or that would change the reply's shape.
+_OWNED_FIELDS = _SDK_ARGUMENTS | {"stream", "n"}
+_FINISH_REASONS = {
+    "stop": FinishReason.STOP,
+    "tool_calls": FinishReason.TOOL_CALLS,
+    "function_call": FinishReason.TOOL_CALLS,
+    "length": FinishReason.LENGTH,
+    "content_filter": FinishReason.CONTENT_FILTER,
+}
+_CONNECT_TIMEOUT_S = 10.0
+# The SDK refuses to build a client without a key; with none, this stands in and the
+# Authorization header is left out of every request.
+_NO_KEY = "no-key"
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_ERROR_DETAIL_CHARS = 300
+
+
+class OpenAISettings(ProviderSettings):
+    """Settings of the `openai` kind."""
+
+    base_url: NonEmptyText | None = Field(
+        default=None, description="an http(s) URL such as http://localhost:8000/v1")
+    api_key_env: NonEmptyText | None = Field(
+        default=DEFAULT_API_KEY_ENV,
+        description="the name of the environment variable holding the key, or null for a "
+        "server that takes no key")
+    timeout_s: PositiveSeconds = DEFAULT_TIMEOUT_S
+    max_connections: PositiveInt | None = None
+    max_tokens_field: Literal["max_tokens", "max_completion_tokens"] = Field(
+        default="max_tokens", description='"max_tokens" or "max_completion_tokens"')
+    send_temperature: bool = True
+    headers: dict[str, str] | None = Field(
+        default=None, description="an object of header names and string values")
+    extra_body: dict[str, Any] | None = Field(
+        default=None, description="a JSON object of extra request fields")
+    check_server: bool = True
+
+
+class OpenAIProvider:
+    """A model behind the Chat Completions API. Safe to call from many worker threads.
+
+    Settings (`OpenAISettings`): `base_url` (default: `OPENAI_BASE_URL`, else OpenAI's
+    API), `api_key_env` (the variable holding the key, default `OPENAI_API_KEY`; `null` for
+    a server that takes no key: no Authorization header is sent), `timeout_s` (the longest
+    one call may take, default 600), `max_connections` (default: no limit; the pool is
+    shared by every episode of the run), `max_tokens_field` (`max_tokens`, the default,
+    which vLLM, SGLang, Ollama, llama.cpp and OpenRouter read; `max_completion_tokens` for
+    OpenAI's reasoning models, which refuse `max_tokens`), `send_temperature` (false for
+    models that refuse a temperature), `headers` (sent with every request, e.g. OpenRouter's
+    `HTTP-Referer` and `X-Title`), `extra_body` (extra request fields, e.g. vLLM's `top_k`
+    or `chat_template_kwargs`, OpenRouter's `provider`), `check_server` (false skips the
+    check that the server is there).
+
+    A call is three steps, each usable alone (a benchmark drives them to measure the SDK's
+    own cost): `request_body(request)` and `response(completion)` in the worker thread, and
+    `send(body, limit_s)`, the SDK call, in any trio run.
+    """
+
+    def __init__(self, config: ProviderConfig, settings: OpenAISettings, api_key: str | None,
+                 base_url: str) -> None:
+        self.config = config
+        self._settings = settings
+        self._api_key = api_key
+        self._base_url = base_url
+        self._closed = False
+        # Episodes of one trio run share a client when their settings and key agree.
+        self._client_key = ("openai", api_key, base_url, settings.timeout_s, settings.max_connections,
+                            tuple(sorted((settings.headers or {}).items())))
+
+    @classmethod
+    def from_config(cls, config: ProviderConfig) -> Self:
+        """Check the settings, the API key and (once per process, unless `check_server` is
+        false) that the server answers; no SDK import, no client."""
+        settings: OpenAISettings = OpenAISettings.of(config)
+        _check_headers(settings.headers or {})
+        _check_extra_body(settings.extra_body or {})
+        api_key: str | None = None
+        if settings.api_key_env is not None:
+            api_key = os.environ.get(settings.api_key_env, "").strip()
+            if not api_key:
+                raise ProviderConfigError(
+                    f"openai provider: no API key; set the environment variable "
+                    f"{settings.api_key_env} (or point the api_key_env setting at the variable "
+                    'that holds it; for a server that takes no key, such as a local vLLM, set '
+                    '"api_key_env": null)'
+                )
+        base_url = _checked_base_url(settings.base_url, api_key)
+        if settings.check_server:
+            check_server(base_url, api_key, settings.headers or {}, key_env=settings.api_key_env)
+        return cls(config, settings, api_key, base_url)
+
+    # -- the call ------------------------------------------------------------------------
+
+    def complete(self, request: ProviderRequest, control: CallControl) -> ProviderResponse:
+        """One Chat Completions call.
+
+        If `control` is interrupted while the call is in flight, the call is cancelled at
+        once and this raises `ProviderInterrupted`. The call may take the episode's
+        remaining budget, capped by `timeout_s`; past that it is a retryable failure.
+        """
+        if self._closed:
+            raise ProviderError("openai provider: closed")
+        if control.interrupted:
+            raise ProviderInterrupted("openai call not started: the episode was interrupted")
+        timeout = self._settings.timeout_s
+        remaining = control.remaining()
+        if remaining is not None:
+            if remaining <= 0:
+                raise ProviderInterrupted("openai call not started: no wall-clock budget left")
+            timeout = min(timeout, remaining)
+        body = self.request_body(request)
+        try:
+            completion = control.run_async(self.send, body, timeout)
+        except CallInterrupted:
+            raise ProviderInterrupted("openai call cancelled: the episode was interrupted") from None
+        except ProviderError:
+            raise
+        except Exception as error:
+            failure = self._provider_error(error)
+            if failure is None:  # not an API failure: a defect, which must stay visible as itself
+                raise
+            raise failure from error
+        return self.response(completion)
+
+    async def send(self, body: JsonObject, limit_s: float) -> Any:
+        """The HTTP exchange for a request body, on the trio thread: the SDK's reply (a
+        `ChatCompletion`, or whatever a non-JSON body became). SDK errors propagate."""
+        import httpx2
+
+        client = await _run_clients().get(self._client_key, self._new_client)
+        arguments = {key: value for key, value in body.items() if key in _SDK_ARGUMENTS}
+        extra_body = {key: value for key, value in body.items() if key not in _SDK_ARGUMENTS}
+        if self._api_key is None:
+            import openai
+
+            headers: dict[str, Any] | None = {"Authorization": openai.Omit()}
+        else:
+            headers = None
+        # httpx's timeout bounds each network operation; the scope bounds the whole call.
+        with trio.move_on_after(limit_s):
+            try:
+                return await client.chat.completions.create(
+                    **arguments, extra_body=extra_body or None, extra_headers=headers,
+                    timeout=httpx2.Timeout(limit_s, connect=min(limit_s, _CONNECT_TIMEOUT_S)))
+            except json.JSONDecodeError as error:  # a JSON content type over a broken body
+                raise ProviderError(f"openai-compatible server: the reply is not JSON ({error.msg})",
+                                    retryable=True) from None
+        raise ProviderError(f"openai call: no response within {limit_s:g} s", retryable=True)
+
+    def _new_client(self) -> openai.AsyncOpenAI:
+        """Import the SDK and build a client: called in a worker thread."""
+        import httpx2
+        import openai
+
+        limit = self._settings.max_connections
+        http_client = openai.DefaultAsyncHttpxClient(
+            limits=httpx2.Limits(max_connections=limit, max_keepalive_connections=limit))
+        return openai.AsyncOpenAI(
+            # Always explicit: the SDK would otherwise read OPENAI_API_KEY and send it to
+            # whatever server base_url names.
+            api_key=self._api_key if self._api_key is not None else _NO_KEY,
+            base_url=self._base_url,
+            max_retries=0,  # retry.py decides; the SDK would obey retry-after without a cap
+            timeout=self._settings.timeout_s,
+            http_client=http_client,
+            default_headers=self._settings.headers,
+        )
+
+    def close(self) -> None:
+        """Later calls fail. The shared client is closed when its trio run ends."""
+        self._closed = True
+
+    # -- request mapping -----------------------------------------------------------------
+
+    def request_body(self, request: ProviderRequest) -> JsonObject:
+        """The JSON body of the Chat Completions request for `request`."""
+        messages: list[JsonObject] = []
+        if request.system.strip():
+            messages.append({"role": "system", "content": request.system})
+        messages.extend(_message(message) for message in request.messages)
+        body: JsonObject = {"model": self.config.model, "messages": messages}
+        if request.tools:
+            body["tools"] = [
+                {"type": "function", "function": {
+                    "name": tool.name, "description": tool.description, "parameters": tool.parameters}}
+                for tool in request.tools
+            ]
+        body[self._settings.max_tokens_field] = request.max_output_tokens
+        if request.temperature is not None and self._settings.send_temperature:
+            body["temperature"] = request.temperature
+        if self._settings.extra_body:
+            body.update(self._settings.extra_body)
+        return body
+
+    # -- response mapping ----------------------------------------------------------------
+
+    def response(self, completion: Any) -> ProviderResponse:
+        """The `ProviderResponse` for what `send` returned; a `ProviderError` when the
+        server's reply holds no answer."""
+        if not hasattr(completion, "choices"):  # the SDK hands back a non-JSON body as text
+            shown = str(completion)[:_ERROR_DETAIL_CHARS]
+            raise ProviderError(f"openai-compatible server at {self._base_url}: the reply is not a "
+                                f"chat completion: {shown!r}; is base_url the API's root?")
+        usage = _usage(_get(completion, "usage"))
+        choices = _get(completion, "choices")
+        if not isinstance(choices, list) or not choices:
+            raise _no_choices(completion, usage)
+        message = _get(choices[0], "message")
+        calls = _tool_calls(_get(message, "tool_calls"))
+        text = _text(_get(message, "content"))
+        finish = _get(choices[0], "finish_reason")
+        refusal = _get(message, "refusal")
+        if isinstance(refusal, str) and refusal and not text and not calls:
+            text, finish = _scrubbed(refusal), "content_filter"
+        reason = _FINISH_REASONS.get(finish) if isinstance(finish, str) else None
+        if reason is None:
+            reason = FinishReason.TOOL_CALLS if calls else FinishReason.STOP
+        return ProviderResponse(text=text, tool_calls=calls, finish_reason=reason, usage=usage)
+
+    # -- errors --------------------------------------------------------------------------
+
+    def _provider_error(self, error: BaseException) -> ProviderError | None:
+        import openai  # imported already: an error came from the SDK's client
+
+        if isinstance(error, openai.APIStatusError):
+            status = error.status_code
+            return ProviderError(
+                f"openai-compatible server returned {status}: {_error_detail(error)}",
+                status=status,
+                retryable=is_retryable_status(status),
+                retry_after=retry_after_seconds(error.response.headers),
+            )
+        if isinstance(error, openai.APITimeoutError):
+            return ProviderError("openai call timed out", retryable=True)
+        if isinstance(error, openai.APIConnectionError):
+            cause = error.__cause__
+            reason = f": {type(cause).__name__}: {cause}" if cause is not None else ""
+            return ProviderError(f"openai connection failed{reason}", retryable=True)
+        if self._closed:
+            return ProviderError("openai provider: closed while the call was in flight")
+        if isinstance(error, openai.OpenAIError):
+            return ProviderError(f"openai SDK error: {type(error).__name__}: {error}")
+        return None
+
+
+def _get(value: object, name: str) -> Any:
+    """A field of a reply object: the SDK builds its models without validation, so an
+    unfaithful server's reply may hold plain dicts, or lack the field."""
+    if isinstance(value, dict):
+        return value.get(name)
+    return getattr(value, name, None)
+
+
+def _message(message: Message) -> JsonObject:
+    if message.role == "tool":
+        if message.tool_call_id is None:
+            raise ProviderError("openai provider: a tool message has no tool_call_id")
+        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": message.content}
+    if message.role == "user" or not message.tool_calls:
+        return {"role": message.role, "content": message.content}
+    return {
+        "role": "assistant",
+        "content": message.content if message.content.strip() else None,
+        "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": _sent_arguments(call)}}
+            for call in message.tool_calls
+        ],
+    }
+
+
+def _sent_arguments(call: ToolCall) -> str:
+    if call.arguments is None:
+        return "{}"
+    if call.raw_arguments:
+        return call.raw_arguments
+    return json.dumps(call.arguments, ensure_ascii=False, separators=(",", ":"))
+
+
+def _text(content: object) -> str:
+    if isinstance(content, str):
+        return _scrubbed(content)
+    if isinstance(content, list):  # content parts, from servers that send them back
+        parts = (part if isinstance(part, str) else part.get("text") if isinstance(part, dict) else None
+                 for part in content)
+        return _scrubbed("".join(part for part in parts if isinstance(part, str)))
+    return ""
+
+
+def _scrubbed(text: str) -> str:
+    """`text` with every lone surrogate (from a JSON `\\ud800` escape without its pair)
+    replaced by U+FFFD: such a string cannot be encoded, so it would fail the next request,
+    the command it is part of, and a recording."""
+    if _SURROGATE.search(text) is None:
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _scrubbed_json(value: Any) -> Any:
+    if isinstance(value, str):
+        return _scrubbed(value)
+    if isinstance(value, dict):
+        return {_scrubbed_json(key): _scrubbed_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_scrubbed_json(item) for item in value]
+    return value
+
+
+def _tool_calls(raw_calls: object) -> list[ToolCall]:
+    if not isinstance(raw_calls, list):
+        return []
+    calls: list[ToolCall] = []
+    seen: set[str] = set()
+    for index, raw_call in enumerate(raw_calls):
+        function = _get(raw_call, "function")
+        name = _get(function, "name")
+        call_id = _get(raw_call, "id")
+        if not isinstance(call_id, str) or not call_id or call_id in seen:
+            # The id only pairs the call with its result; a server that sends none (or the
+            # same one twice) still gets distinct ids back.
+            call_id = f"call_{index}_{os.urandom(6).hex()}"
+        seen.add(call_id)
+        calls.append(parse_tool_call(_scrubbed(call_id), _scrubbed(name) if isinstance(name, str) else "",
+                                     _get(function, "arguments")))
+    return calls
+
+
+def parse_tool_call(call_id: str, name: str, arguments: object) -> ToolCall:
+    """A tool call from the `arguments` a server sent: normally a JSON string, but also an
+    object (some servers), nothing or an empty string (a call without arguments)."""
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        return ToolCall(id=call_id, name=name, arguments={})
+    if isinstance(arguments, dict):
+        return ToolCall(id=call_id, name=name, arguments=_scrubbed_json(arguments))
+    if not isinstance(arguments, str):
+        raw = json.dumps(arguments) if isinstance(arguments, list | int | float | bool) else repr(arguments)
+        raw = _scrubbed(raw)
+        return ToolCall(id=call_id, name=name, arguments=None, raw_arguments=raw,
+                        parse_error="arguments are not a JSON object")
+    arguments = _scrubbed(arguments)
+    # The scripted provider's wording, so that a replayed conversation reads the same.
+    try:
+        parsed = _scrubbed_json(json.loads(arguments))
+    except json.JSONDecodeError as error:
+        return ToolCall(id=call_id, name=name, arguments=None, raw_arguments=arguments,
+                        parse_error=f"invalid JSON: {error.msg}")
+    except RecursionError:
+        return ToolCall(id=call_id, name=name, arguments=None, raw_arguments=arguments,
+                        parse_error="invalid JSON: nested too deeply")
+    if not isinstance(parsed, dict):
+        return ToolCall(id=call_id, name=name, arguments=None, raw_arguments=arguments,
+                        parse_error="arguments are not a JSON object")
+    return ToolCall(id=call_id, name=name, arguments=parsed, raw_arguments=arguments)
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _usage(usage: object) -> TokenUsage:
+    """Usage as reported: `prompt_tokens` includes the cached tokens, which come from
+    `prompt_tokens_details.cached_tokens` (DeepSeek: `prompt_cache_hit_tokens`)."""
+    if usage is None:
+        return TokenUsage(calls=1)
+    prompt = _count(_get(usage, "prompt_tokens"))
+    details = _get(usage, "prompt_tokens_details")
+    if details is not None:
+        cached = _count(_get(details, "cached_tokens"))
+    else:
+        cached = _count(_get(usage, "prompt_cache_hit_tokens"))
+    return TokenUsage(input_tokens=prompt, output_tokens=_count(_get(usage, "completion_tokens")),
+                      cached_input_tokens=min(cached, prompt), calls=1)
+
+
+def _no_choices(completion: Any, usage: TokenUsage) -> ProviderError:
+    """A 200 reply without an answer: gateways send one when the model behind them failed,
+    sometimes with an `error` object (its `code` an HTTP status)."""
+    problem = _get(completion, "error")
+    detail, status = "", None
+    if isinstance(problem, dict):
+        detail = f": {problem.get('message') or problem}"
+        code = problem.get("code")
+        if isinstance(code, int) and 400 <= code <= 599:
+            status = code
+    elif problem is not None:
+        detail = f": {problem}"
+    return ProviderError(
+        f"openai-compatible server answered without a choice{detail}"[:_ERROR_DETAIL_CHARS * 2],
+        status=status, retryable=status is None or is_retryable_status(status), usage=usage)
+
+
+def _error_detail(error: openai.APIStatusError) -> str:
+    body = error.body
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        return str(body["message"])[:_ERROR_DETAIL_CHARS]
+    if isinstance(body, str) and body.strip():
+        return body.strip()[:_ERROR_DETAIL_CHARS]
+    return error.message[:_ERROR_DETAIL_CHARS]
+
+
+# -- configuration checks ------------------------------------------------------------------
+
+
+def _check_headers(headers: Mapping[str, str]) -> None:
+    # Values are never quoted back: a header may carry a credential.
+    for name, value in headers.items():
+        if name.lower() == "authorization":
+            raise ProviderConfigError(
+                "openai provider: headers must not hold Authorization; put the key in an "
+                "environment variable and name it in api_key_env")
+        if not _HEADER_NAME.match(name):
+            raise ProviderConfigError(f"openai provider: headers: {name!r} is not an HTTP header name")
+        if any(c in value for c in "\r\n\x00"):
+            raise ProviderConfigError(
+                f"openai provider: headers: the value of {name!r} holds a line break or NUL")
+
+
+def _check_extra_body(extra_body: Mapping[str, Any]) -> None:
+    owned = sorted(_OWNED_FIELDS.intersection(extra_body))
+    if owned:
+        raise ProviderConfigError(
+            f"openai provider: extra_body must not set {', '.join(owned)}: wmo_trio sets the "
+            "model, messages and tools, the document's params set the output limit and the "
+            "temperature, and stream or n would change the reply's shape")
+    try:
+        json.dumps(extra_body, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise ProviderConfigError(f"openai provider: extra_body must be JSON ({error})") from None
+
+
+def _checked_base_url(configured: str | None, api_key: str | None) -> str:
+    if configured is not None:
+        url, source = configured, "base_url"
+    elif os.environ.get("OPENAI_BASE_URL", "").strip():
+        url, source = os.environ["OPENAI_BASE_URL"].strip(), "OPENAI_BASE_URL"
+    else:
+        if api_key is None:
+            raise ProviderConfigError(
+                'openai provider: "api_key_env": null needs a base_url (a server that takes '
+                "no key, such as http://localhost:8000/v1); OpenAI's own API needs a key")
+        return DEFAULT_BASE_URL
+    try:
+        parts = urllib.parse.urlsplit(url)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:  # a malformed address, such as an unclosed IPv6 bracket
+        usable = False
+    if not usable:
+        raise ProviderConfigError(
+            f"openai provider: {source} must be an http(s) URL such as http://localhost:8000/v1, "
+            f"got {url!r}")
+    return url.rstrip("/")
+
+
+_checked_servers: set[tuple[object, ...]] = set()
+_checked_lock = threading.Lock()
+
+
+def check_server(base_url: str, api_key: str | None, headers: Mapping[str, str], *,
+                 key_env: str | None = None) -> None:
+    """Ask `GET <base_url>/models` whether an OpenAI-compatible API answers there, and
+    raise a `ProviderConfigError` that says what to do when it does not: it cannot be
+    reached, it refuses the key (401), or nothing is served at that path (404). Any other
+    answer is a server that is there.
+
+    Blocking, for at most `CHECK_TIMEOUT_S` (`urllib`: no SDK import). Done once per
+    process for a server, key and headers: harbor's CLI preflight and `wmo-trio run` do it
+    before any event loop runs; when a harbor `Job` is created from an asyncio program
+    instead, its preflight does it on that loop, before any trial.
+    """
+    key = (base_url, api_key, tuple(sorted(headers.items())))
+    with _checked_lock:
+        if key in _checked_servers:
+            return
+    url = f"{base_url}/models"
+    sent = {"Accept": "application/json", **headers}
+    if api_key is not None:
+        sent["Authorization"] = f"Bearer {api_key}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=sent),
+                                    timeout=CHECK_TIMEOUT_S):
+            pass
+    except urllib.error.HTTPError as error:
+        error.close()
+        _refused(error.code, url, base_url, key_env)
+    except (OSError, http.client.HTTPException) as error:
+        reason = error.reason if isinstance(error, urllib.error.URLError) else error
+        raise ProviderConfigError(
+            f"openai provider: cannot reach base_url {base_url} (GET {url}: "
+            f"{type(reason).__name__}: {reason}); start the server or correct base_url "
+            '(or set "check_server": false to skip this check)') from None
+    with _checked_lock:
+        _checked_servers.add(key)
+
+
+def _refused(status: int, url: str, base_url: str, key_env: str | None) -> None:
+    skip = '(or set "check_server": false to skip this check)'
+    if status == 401 and key_env is None:
+        raise ProviderConfigError(
+            f"openai provider: the server at {base_url} wants an API key (GET {url} answered "
+            "401); put the key in an environment variable and name it in api_key_env")
+    if status == 401:
+        raise ProviderConfigError(
+            f"openai provider: the server at {base_url} refused the API key in {key_env} "
+            f"(GET {url} answered 401); set the right key {skip}")
+    if status == 404:
+        raise ProviderConfigError(
+            f"openai provider: no OpenAI-compatible API at base_url {base_url} (GET {url} "
+            "answered 404); the API usually lives under /v1, as in http://localhost:8000/v1 "
+            f"{skip}")
