@@ -24,7 +24,7 @@ from wmo_trio.episode.runtime import EpisodeRuntime
 from wmo_trio.harness import parse_harness
 from wmo_trio.models import TokenUsage
 from wmo_trio.providers import build_provider
-from wmo_trio.providers.anthropic import AnthropicProvider, retry_after_seconds
+from wmo_trio.providers.anthropic import AnthropicProvider
 from wmo_trio.providers.base import (
     CallControl,
     FinishReason,
@@ -38,6 +38,7 @@ from wmo_trio.providers.base import (
     ToolCall,
     ToolSpec,
 )
+from wmo_trio.providers.http import retry_after_seconds
 
 KEY_ENV = "WMO_TEST_ANTHROPIC_KEY"
 BREAKPOINT = {"type": "ephemeral"}

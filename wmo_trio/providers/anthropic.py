@@ -27,15 +27,10 @@ us to wait.
 
 from __future__ import annotations
 
-import datetime
-import email.utils
 import json
-import math
 import os
 import threading
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Self
 
 import trio
@@ -56,6 +51,7 @@ from wmo_trio.providers.base import (
     ProviderSettings,
     ToolCall,
 )
+from wmo_trio.providers.http import retry_after_seconds, run_clients
 from wmo_trio.providers.retry import is_retryable_status
 from wmo_trio.settings import NonEmptyText, PositiveInt, PositiveSeconds
 
@@ -189,7 +185,7 @@ class AnthropicProvider:
         """The HTTP exchange, on the trio thread."""
         import httpx2
 
-        client = await _run_clients().get(self._client_key, self._new_client)
+        client = await run_clients().get(self._client_key, self._new_client)
         arguments = {key: value for key, value in body.items() if key in _SDK_ARGUMENTS}
         extra_body = {key: value for key, value in body.items() if key not in _SDK_ARGUMENTS}
         # httpx's timeout bounds each network operation; the scope bounds the whole call.
@@ -373,67 +369,3 @@ def _tool_call(call_id: str, name: str, arguments: object) -> ToolCall:
     # The scripted provider's wording, so that a replayed conversation reads the same.
     return ToolCall(id=call_id, name=name, arguments=None, raw_arguments=raw,
                     parse_error="arguments are not a JSON object")
-
-
-def retry_after_seconds(headers: Mapping[str, str]) -> float | None:
-    """The wait a response asks for: `retry-after-ms` (milliseconds), else `retry-after`
-    (seconds, or an HTTP date). None when absent or unreadable; never negative."""
-    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
-        value = headers.get(name)
-        if value is None:
-            continue
-        try:
-            seconds = float(value) * scale
-        except ValueError:
-            seconds = _seconds_until(value) if name == "retry-after" else math.nan
-        if math.isfinite(seconds):
-            return max(0.0, seconds)
-    return None
-
-
-def _seconds_until(http_date: str) -> float:
-    try:
-        when = email.utils.parsedate_to_datetime(http_date)
-    except (TypeError, ValueError, IndexError):
-        return math.nan
-    if when.tzinfo is None:  # "-0000" dates: UTC, by RFC 5322
-        when = when.replace(tzinfo=datetime.UTC)
-    return when.timestamp() - time.time()
-
-
-class _RunClients:
-    """The clients of one trio run, one per configuration, closed when the run ends."""
-
-    def __init__(self) -> None:
-        self._clients: dict[object, Any] = {}
-        self._lock = trio.Lock()
-
-    async def get(self, key: object, build: Callable[[], Any]) -> Any:
-        client = self._clients.get(key)
-        if client is None:
-            async with self._lock:
-                client = self._clients.get(key)
-                if client is None:
-                    client = self._clients[key] = await trio.to_thread.run_sync(build)
-        return client
-
-    async def close_when_the_run_ends(self) -> None:
-        try:
-            await trio.sleep_forever()
-        finally:
-            with trio.CancelScope(shield=True):
-                for client in self._clients.values():
-                    await client.close()
-
-
-_CLIENTS: trio.lowlevel.RunVar[_RunClients] = trio.lowlevel.RunVar("wmo_trio_anthropic_clients")
-
-
-def _run_clients() -> _RunClients:
-    try:
-        return _CLIENTS.get()
-    except LookupError:
-        clients = _RunClients()
-        _CLIENTS.set(clients)
-        trio.lowlevel.spawn_system_task(clients.close_when_the_run_ends)
-        return clients

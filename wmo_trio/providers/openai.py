@@ -50,7 +50,6 @@ from pydantic import Field
 
 from wmo_trio.control import CallInterrupted
 from wmo_trio.models import JsonObject, TokenUsage
-from wmo_trio.providers.anthropic import _run_clients, retry_after_seconds
 from wmo_trio.providers.base import (
     CallControl,
     FinishReason,
@@ -64,6 +63,7 @@ from wmo_trio.providers.base import (
     ProviderSettings,
     ToolCall,
 )
+from wmo_trio.providers.http import retry_after_seconds, run_clients
 from wmo_trio.providers.retry import is_retryable_status
 from wmo_trio.settings import NonEmptyText, PositiveInt, PositiveSeconds
 
@@ -209,7 +209,7 @@ class OpenAIProvider:
         `ChatCompletion`, or whatever a non-JSON body became). SDK errors propagate."""
         import httpx2
 
-        client = await _run_clients().get(self._client_key, self._new_client)
+        client = await run_clients().get(self._client_key, self._new_client)
         arguments = {key: value for key, value in body.items() if key in _SDK_ARGUMENTS}
         extra_body = {key: value for key, value in body.items() if key not in _SDK_ARGUMENTS}
         if self._api_key is None:
