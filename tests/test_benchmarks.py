@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,6 +36,7 @@ def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
         for case in engine["cancel"] + engine["cancel_by_n"]:
             assert case["timed_out"] == case["n"] and case["traces"] == case["n"], (impl, case)
         assert isinstance(engine["threads_left_after_idle"], int)
+    check_traffic(results["traffic"])
     job = results["harbor_job"]
     for agent in ("baseline", "wmo_trio", "wmo_trio_trio_host"):
         assert job[agent]["trials"] == job["n"] and job[agent]["mean_reward"] == 1.0, agent
@@ -41,5 +44,43 @@ def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
     table = (tmp_path / "results.md").read_text()
     assert "| scenario | baseline (asyncio) |" in table and "cancel p99" in table
     assert "Real harbor job" in table and "process CPU time / ideal wall time" in table
+    assert "| real traffic | baseline (original design) |" in table
+    assert "CPU per step / SDK's own per call (sync client) @ 32 (anthropic)" in table
+    assert "No figures for" not in table
     for plot in ("start_latency.png", "cancel_latency.png"):
         assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
+
+
+def check_traffic(traffic: dict[str, Any]) -> None:
+    """Every implementation ran every episode of every burst to its submit, through the
+    real SDK and the benchmark's server, and every figure the table shows is there."""
+    sdk = traffic["sdk"]
+    assert sdk["sync_cpu_per_call_ms"] > 0 and sdk["async_trio_cpu_per_call_ms"] > 0
+    assert sdk["client_cpu_ms"] > 0
+    impls = {"baseline", "thread", "guest", "trio-asyncio", "research"}
+    expected = {(impl, provider, n) for impl in impls
+                for provider, n in (("anthropic", 8), ("anthropic", 32), ("scripted", 32))}
+    assert {(r["impl"], r["provider"], r["n"]) for r in traffic["runs"]} == expected
+    # Every model call of the anthropic runs reached the server: 5 per episode.
+    episodes = sum(r["n"] for r in traffic["runs"] if r["provider"] == "anthropic")
+    assert traffic["server"]["requests"] == 5 * episodes
+    assert traffic["server"]["tool_uses"] == {"bash": 4 * episodes, "submit": episodes}
+    for run in traffic["runs"]:
+        where = (run["impl"], run["provider"], run["n"])
+        assert "failed" not in run, (where, run.get("failed"))
+        n = run["n"]
+        assert run["submitted"] == n and run["traces"] == n and run["timed_out"] == 0, where
+        assert run["errors"] == {}, where
+        assert run["steps"] == 5 * n, where  # 4 bash calls and a submit per episode
+        assert run["wall_over_ideal"] > 0.9 and run["cpu_per_step_ms"] > 0, where
+        assert run["all_started_s"] >= run["model_s"], where  # the first command follows a call
+        assert run["peak_threads"] > 1 and run["peak_rss_mb"] > 0, where
+        loops = {"host_heartbeat": run["impl"] != "research", "trio_heartbeat": run["impl"] != "baseline"}
+        for which, present in loops.items():
+            if not present:
+                assert run[which] is None, where
+                continue
+            beat = run[which]
+            assert beat["samples"] > 0, (where, which)
+            assert beat["with_start_max_ms"] >= beat["with_start_p99_ms"], (where, which)
+            assert beat["max_ms"] >= beat["p99_ms"] and not math.isnan(beat["p99_ms"]), (where, which)
