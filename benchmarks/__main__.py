@@ -78,6 +78,8 @@ def _fmt(value: float, unit: str) -> str:
         return f"{value:.3f}x"
     if unit == "s":
         return f"{value:.2f} s"
+    if unit == "cores":
+        return f"{value:.2f}"
     return f"{value:,.0f}{unit}"
 
 
@@ -161,8 +163,10 @@ def traffic_markdown(result: dict[str, Any]) -> list[str]:
         "Heartbeat lateness counts from the moment every episode has run its first command; "
         "\"start included\" counts from the launch. The baseline is the original's design (the "
         "sync SDK called in its executor's threads); `research` is `open_episode_pool` + "
-        f"`fan_out`. Each run is capped at {result['cap_s']:g} s. Load average (1 min) "
-        f"{before[0]:.2f} before, {after[0]:.2f} after.",
+        f"`fan_out`. Each trial's `run()` times out after {result['cap_s']:g} s (harbor's agent "
+        "timeout; for the research API, its whole fan-out). Load average (1 min) "
+        f"{before[0]:.2f} before, {after[0]:.2f} after; the last rows say how many cores the "
+        "machine's other processes used during each run.",
         "",
     ]
     lines += _table("real traffic", "baseline (original design)", columns,

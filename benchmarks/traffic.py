@@ -1,7 +1,7 @@
 """Real model traffic: many episodes at once, the real SDK, seconds per model call.
 
     python -m benchmarks.traffic suite [--quick] [--sizes N ...] [--impls I ...]
-    python -m benchmarks.traffic run --impl I --provider P --n N --base-url URL ...
+    python -m benchmarks.traffic run --impl I --burst PROVIDER:N --base-url URL ...
 
 Every episode is the same: 4 `bash` calls then `submit`, each model call answered after
 2 s by the benchmark's own Messages API server (`benchmarks/messages_server.py`, its own
@@ -10,11 +10,14 @@ starts the server, measures the SDK's own cost (`benchmarks/sdk_cost.py`), then 
 every implementation at every size, each in an interpreter of its own, one after the
 other (side by side in a quick run, which checks shape only):
 
-- `baseline`: the original's design (`benchmarks/traffic_baseline.py`): a thread pool
-  sized to the concurrency, the synchronous SDK called in the episode's thread;
-- `thread`, `guest`, `trio-asyncio`: wmo_trio's harbor agent, driven the way harbor's
-  trial drives it (construct, `setup`, `asyncio.wait_for(agent.run(...))`) from
-  `asyncio.run` (thread and guest hosts) or from `trio.run` + `trio_asyncio.open_loop()`;
+- `baseline`: a harbor agent of the original's design (`benchmarks/traffic_baseline.py`):
+  a thread pool sized to the concurrency, the synchronous SDK called in the episode's
+  thread;
+- `thread`, `guest`, `trio-asyncio`: wmo_trio's harbor agent;
+
+the harbor agents driven the way harbor's trial drives one (construct, `setup`,
+`asyncio.wait_for(agent.run(...))`) from `asyncio.run` (thread and guest hosts, the
+baseline) or from `trio.run` + `trio_asyncio.open_loop()`;
 - `research`: `wmo_trio.open_episode_pool` + `fan_out` under `trio.run`, with a trio
   environment.
 
@@ -24,12 +27,14 @@ harbor agent class, the research API), so the scenario measures the code of any 
 design unchanged.
 
 The burst is everything from launching the trials to the last one finishing: agent
-construction and setup (harbor does both inside each trial) included. The SDK is
-imported before it, as in a process that has run a trial already. Figures per run: wall
+construction and setup (harbor does both inside each trial) included. One agent is
+constructed before it, which does the one-off imports (the SDK; litellm, through harbor's
+`BaseAgent`), as in a process that has run a trial already. Figures per run: wall
 time over the ideal, process CPU per step (a model call with its tool call), heartbeat
 lateness of the host asyncio loop and of the trio loop (a task sleeping 5 ms in a loop),
 counted from the moment every episode has run its first command and, separately, from
-the launch; peak OS threads, peak RSS, traces written.
+the launch; peak OS threads, peak RSS, traces written; and how much CPU the rest of the
+machine used meanwhile (it is shared).
 """
 
 from __future__ import annotations
@@ -313,6 +318,7 @@ class SleepingTrioEnvironment:
     async def exec(self, command: str) -> Any:
         import trio
 
+        # The type `TrioEnvironment.exec` returns; not re-exported by `wmo_trio` today.
         from wmo_trio.episode.environment import CommandResult
 
         self._progress.command(self)
@@ -387,11 +393,12 @@ def new_agent(burst: Burst, logs_dir: Path) -> Any:
 
 async def harbor_trials(burst: Burst, environments: list[Any]) -> None:
     """Every trial at once, each the way harbor's `Trial` drives its agent: construct it,
-    `setup`, then `asyncio.wait_for(agent.run(...), timeout)`."""
+    `setup`, then `asyncio.wait_for(agent.run(...), timeout)`. The cap is each trial's agent
+    timeout, counted from its `run()` as harbor counts it (a budget shared by all trials
+    would reach zero for late ones, and a zero timeout cancels `run()` before its first line:
+    no episode, no trace, which harbor never does)."""
     from harbor.models.agent.context import AgentContext
 
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + burst.cap_s
     tally = burst.tally
 
     async def trial(index: int) -> None:
@@ -403,8 +410,7 @@ async def harbor_trials(burst: Burst, environments: list[Any]) -> None:
         context = AgentContext()
         try:
             await agent.setup(environment)
-            await asyncio.wait_for(agent.run(INSTRUCTION, environment, context),
-                                   max(0.0, deadline - loop.time()))
+            await asyncio.wait_for(agent.run(INSTRUCTION, environment, context), burst.cap_s)
         except TimeoutError:
             tally.timed_out += 1
             return
@@ -602,6 +608,34 @@ def _sdk_cost(base_url: str, calls: int) -> dict[str, Any]:
     return result
 
 
+def _busy_cpu_s() -> float:
+    """CPU time the whole machine has spent busy since boot (every core, every process)."""
+    with open("/proc/stat") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+class MachineShare:
+    """How busy the rest of the machine was while our runs ran: the machine's busy CPU
+    time less our runs' (reaped children) and the server's, per second of wall time."""
+
+    def __init__(self) -> None:
+        self._busy, self._ours, self._wall = _busy_cpu_s(), _children_cpu_s(), time.perf_counter()
+
+    def figures(self, server_cpu_s: float) -> dict[str, float]:
+        wall = time.perf_counter() - self._wall
+        busy, ours = _busy_cpu_s() - self._busy, _children_cpu_s() - self._ours
+        return {"wall_s": wall, "busy_cores": busy / wall, "runs_cores": ours / wall,
+                "server_cores": server_cpu_s / wall,
+                "others_cores": max(0.0, busy - ours - server_cpu_s) / wall}
+
+
 def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
           impls: tuple[str, ...] = IMPLS, cap_s: float | None = None,
           log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
@@ -610,8 +644,9 @@ def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
 
     profile = QUICK if quick else FULL
     sizes = sizes or (QUICK_SIZES if quick else FULL_SIZES)
-    # A cap ends a collapsed run and reports it (timed-out episodes) instead of hanging;
-    # a quick run only checks shape, so its cap is loose enough for a busy machine.
+    # A cap ends a collapsed run and reports it (timed-out episodes) instead of hanging:
+    # harbor's agent timeout for each trial, the whole fan-out for the research API. A
+    # quick run only checks shape, so its cap is loose enough for a busy machine.
     cap = cap_s or max(profile.ideal_s * 30, 120.0 if quick else 0.0)
     messages_server.raise_open_files_limit()
     results: dict[str, Any] = {"profile": asdict(profile), "ideal_s": profile.ideal_s, "cap_s": cap,
@@ -626,13 +661,15 @@ def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
             log(f"all bursts, {', '.join(impls)} side by side ...")
             load = os.getloadavg()
             server.stats(reset=True)
+            share = MachineShare()
             running = {impl: subprocess.Popen(
                 _command(impl, bursts, profile, server.base_url, cap), cwd=ROOT, env=_environ(impl),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for impl in impls}
-            for impl, process in running.items():
-                runs = _finish(process, cap * len(bursts) + 300, impl, bursts)
-                results["runs"] += [{**run, "load_before": load} for run in runs]
+            runs = [run for impl, process in running.items()
+                    for run in _finish(process, 2 * cap * len(bursts) + 300, impl, bursts)]
             results["server"] = server.stats()
+            machine = share.figures(results["server"]["cpu_s"])  # the whole batch's
+            results["runs"] += [{**run, "load_before": load, "machine": machine} for run in runs]
         else:
             # One interpreter per implementation and size, one after the other, so that
             # no run shares the machine, its threads or its memory with another.
@@ -641,11 +678,15 @@ def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
                     load = os.getloadavg()
                     server.stats(reset=True)
                     log(f"{burst[0]} x {burst[1]:,}: {impl} (load {load[0]:.2f}) ...")
+                    share = MachineShare()
                     process = subprocess.Popen(
                         _command(impl, [burst], profile, server.base_url, cap), cwd=ROOT,
                         env=_environ(impl), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                    [run] = _finish(process, cap + 300, impl, [burst])
-                    results["runs"].append({**run, "load_before": load, "server": server.stats()})
+                    # the cap bounds each trial's run(), not its construction and setup
+                    [run] = _finish(process, 2 * cap + 300, impl, [burst])
+                    stats = server.stats()
+                    results["runs"].append({**run, "load_before": load, "server": stats,
+                                            "machine": share.figures(stats["cpu_s"])})
     results["load_after"] = os.getloadavg()
     return results
 
@@ -680,6 +721,8 @@ _ROWS: list[tuple[str, str, tuple[str, ...]]] = [
     ("peak RSS (MiB)", "", ("peak_rss_mb",)),
     ("traces written", "", ("traces",)),
     ("episodes timed out at the cap", "", ("timed_out",)),
+    ("other processes' CPU during the run (not ours, not the server's)", "cores",
+     ("machine", "others_cores")),
 ]
 
 
@@ -721,13 +764,14 @@ def main() -> None:
     one.add_argument("--base-url", required=True)
     one.add_argument("--model-s", type=float, default=FULL.model_s)
     one.add_argument("--command-s", type=float, default=FULL.command_s)
-    one.add_argument("--cap", type=float, default=FULL.ideal_s * 30, help="seconds per run")
+    one.add_argument("--cap", type=float, default=FULL.ideal_s * 30,
+                     help="each trial's agent timeout; the research API's bound on its fan-out")
     everything = commands.add_parser("suite", help="every implementation and size")
     everything.add_argument("--quick", action="store_true")
     everything.add_argument("--sizes", type=int, nargs="+", help="these sizes, both providers")
     everything.add_argument("--providers", choices=PROVIDERS, nargs="+", default=list(PROVIDERS))
     everything.add_argument("--impls", choices=IMPLS, nargs="+", default=list(IMPLS))
-    everything.add_argument("--cap", type=float, help="seconds per run (default 30x ideal)")
+    everything.add_argument("--cap", type=float, help="as for run (default 30x ideal)")
     args = parser.parse_args()
     if args.command == "run":
         results = []

@@ -75,6 +75,7 @@ def check_traffic(traffic: dict[str, Any]) -> None:
         assert run["wall_over_ideal"] > 0.9 and run["cpu_per_step_ms"] > 0, where
         assert run["all_started_s"] >= run["model_s"], where  # the first command follows a call
         assert run["peak_threads"] > 1 and run["peak_rss_mb"] > 0, where
+        assert run["machine"]["busy_cores"] > 0 <= run["machine"]["others_cores"], where
         loops = {"host_heartbeat": run["impl"] != "research", "trio_heartbeat": run["impl"] != "baseline"}
         for which, present in loops.items():
             if not present:
