@@ -85,3 +85,59 @@ def check_traffic(traffic: dict[str, Any]) -> None:
             assert beat["samples"] > 0, (where, which)
             assert beat["with_start_max_ms"] >= beat["with_start_p99_ms"], (where, which)
             assert beat["max_ms"] >= beat["p99_ms"] and not math.isnan(beat["p99_ms"]), (where, which)
+
+
+# -- the benchmark's Messages API server (reused by tests that need real model traffic) ------
+
+
+def test_messages_server_scripts_a_whole_episode_for_the_real_sdk() -> None:
+    import anthropic
+
+    from benchmarks.messages_server import serve
+
+    with serve(delay_s=0.05, tool_calls=2) as server:
+        client = anthropic.Anthropic(api_key="any", base_url=server.base_url, max_retries=0)
+        messages: list[Any] = [{"role": "user", "content": "go"}]
+        names = []
+        for _ in range(4):
+            reply = client.messages.create(model="claude-bench", max_tokens=64, messages=messages)
+            [block] = reply.content
+            assert block.type == "tool_use" and reply.stop_reason == "tool_use"
+            names.append(block.name)
+            messages += [{"role": "assistant", "content": [block.model_dump(exclude_none=True)]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id,
+                                                       "content": "ok"}]}]
+        client.close()
+        stats = server.stats()
+    # the turn comes from the request: bash while fewer than tool_calls assistant turns
+    assert names == ["bash", "bash", "submit", "submit"]
+    assert stats["requests"] == 4 and stats["tool_uses"] == {"bash": 2, "submit": 2}
+    assert stats["connections_opened"] == 2  # one kept alive for every call, one for stats
+
+
+def test_messages_server_answers_pipelined_requests_in_order_after_the_delay() -> None:
+    import socket
+    import time
+
+    from benchmarks.messages_server import serve
+
+    def request(turns: int, key: bool = True) -> bytes:
+        body = json.dumps({"model": "m", "messages": [{"role": "assistant", "content": "x"}] * turns})
+        head = f"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n"
+        return (head + ("x-api-key: k\r\n" if key else "") + "\r\n" + body).encode()
+
+    with serve(delay_s=0.2) as server:
+        host, port = server.base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as connection:
+            started = time.monotonic()
+            connection.sendall(request(4) + request(0) + request(0, key=False))
+            received = b""
+            while received.count(b"HTTP/1.1 ") < 3 or not received.endswith(b"}"):
+                chunk = connection.recv(65536)
+                assert chunk, received
+                received += chunk
+            elapsed = time.monotonic() - started
+    replies = received.split(b"HTTP/1.1 ")[1:]
+    assert [reply[:3] for reply in replies] == [b"200", b"200", b"401"]
+    assert b'"name":"submit"' in replies[0] and b'"name":"bash"' in replies[1]
+    assert elapsed >= 0.2  # no reply comes before its delay
