@@ -1,8 +1,9 @@
 """The benchmark suite: `python -m benchmarks [--quick] [--out DIR] [--readme]`.
 
 Runs every engine scenario for the asyncio baseline and for wmo_trio under each host (each
-in its own interpreter, since trio-asyncio changes asyncio's loop policy process-wide), the
-real harbor job, and the docker-free environment's start/stop cost. Writes `results.json`,
+in its own interpreter, since trio-asyncio changes asyncio's loop policy process-wide), real
+model traffic through the real SDK (`benchmarks/traffic.py`), the real harbor job, and the
+docker-free environment's start/stop cost. Writes `results.json`,
 `results.md` (each figure for the baseline and every wmo_trio host, with the ratio) and
 PNG plots of start and cancellation latency against the number of concurrent episodes.
 All figures come from this one run on this machine: compare ratios, not absolute values.
@@ -16,9 +17,12 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks import traffic
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_IMPLS = ("baseline", "thread", "guest", "trio-asyncio")
@@ -74,6 +78,8 @@ def _fmt(value: float, unit: str) -> str:
         return f"{value:.3f}x"
     if unit == "s":
         return f"{value:.2f} s"
+    if unit == "cores":
+        return f"{value:.2f}"
     return f"{value:,.0f}{unit}"
 
 
@@ -122,23 +128,67 @@ def engine_rows(engine: dict[str, dict[str, Any]]) -> list[tuple[str, str, dict[
     return rows
 
 
+def _table(first: str, base_label: str, columns: dict[str, str],
+           rows: list[tuple[str, str, dict[str, float]]]) -> list[str]:
+    """A markdown table: the baseline, then each column with its ratio to the baseline."""
+    lines = [
+        f"| {first} | {base_label} | " + " | ".join(columns.values())
+        + " | ratio " + " / ".join(columns) + " |",
+        "|---|---:|" + "---:|" * len(columns) + "---:|",
+    ]
+    for metric, unit, values in rows:
+        base = values["baseline"]
+        lines.append(
+            f"| {metric} | {_fmt(base, unit)} | "
+            + " | ".join(_fmt(values[c], unit) for c in columns)
+            + " | " + " / ".join(_ratio(values[c], base) for c in columns) + " |")
+    return lines
+
+
+def traffic_markdown(result: dict[str, Any]) -> list[str]:
+    profile, sdk = result["profile"], result["sdk"]
+    before, after = result["load_before"], result["load_after"]
+    columns = {impl: ("research API (trio)" if impl == "research" else f"wmo_trio {impl}")
+               for impl in result["impls"] if impl != "baseline"}
+    lines = [
+        "",
+        f"Real model traffic: every episode makes {profile['tool_calls']} bash calls, then "
+        f"submits; each model call is answered after {profile['model_s']:g} s (the real "
+        "`anthropic` SDK against the benchmark's loopback Messages API server, in a process of "
+        f"its own), each command takes {profile['command_s']:g} s: {result['ideal_s']:g} s "
+        "ideal. A step is one model call with its tool call. The SDK's own cost here, a bare "
+        f"loop of calls to the same server: {sdk['sync_cpu_per_call_ms']:.2f} ms of CPU per "
+        f"call with the sync client, {sdk['async_trio_cpu_per_call_ms']:.2f} ms with "
+        f"`AsyncAnthropic` on trio; a client costs {sdk['client_cpu_ms']:.0f} ms to construct. "
+        "Heartbeat lateness counts from the moment every episode has run its first command; "
+        "\"start included\" counts from the launch. The baseline is the original's design (the "
+        "sync SDK called in its executor's threads); `research` is `open_episode_pool` + "
+        f"`fan_out`. Each trial's `run()` times out after {result['cap_s']:g} s (harbor's agent "
+        "timeout; for the research API, its whole fan-out). Load average (1 min) "
+        f"{before[0]:.2f} before, {after[0]:.2f} after; the last rows say how many cores the "
+        "machine's other processes used during each run.",
+        "",
+    ]
+    lines += _table("real traffic", "baseline (original design)", columns,
+                    traffic.markdown_rows(result))
+    for failure in traffic.failures(result):
+        lines.append(f"\nNo figures for {failure}")
+    return lines
+
+
 def markdown(results: dict[str, Any]) -> str:
-    engine = results["engine"]
     lines = [
         f"Measured {results['date']} on {results['machine']} ({results['mode']} run). "
         "Ratios are wmo_trio over the baseline from the same run; the machine is shared, so "
         "absolute figures move between runs.",
-        "",
-        "| scenario | baseline (asyncio) | " + " | ".join(f"wmo_trio {h}" for h in WMO_HOSTS)
-        + " | ratio " + " / ".join(WMO_HOSTS) + " |",
-        "|---|---:|" + "---:|" * len(WMO_HOSTS) + "---:|",
     ]
-    for metric, unit, values in engine_rows(engine):
-        base = values["baseline"]
-        lines.append(
-            f"| {metric} | {_fmt(base, unit)} | "
-            + " | ".join(_fmt(values[h], unit) for h in WMO_HOSTS)
-            + " | " + " / ".join(_ratio(values[h], base) for h in WMO_HOSTS) + " |")
+    engine = results.get("engine")
+    if engine:
+        lines.append("")
+        lines += _table("scenario", "baseline (asyncio)",
+                        {h: f"wmo_trio {h}" for h in WMO_HOSTS}, engine_rows(engine))
+    if results.get("traffic"):
+        lines += traffic_markdown(results["traffic"])
     job = results.get("harbor_job")
     if job:
         lines += [
@@ -165,6 +215,9 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def plots(results: dict[str, Any], out: Path) -> list[Path]:
+    engine = results.get("engine")
+    if not engine:
+        return []
     try:
         import matplotlib
 
@@ -172,7 +225,6 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    engine = results["engine"]
     written = []
     figure, axis = plt.subplots(figsize=(6, 4))
     for impl, result in engine.items():
@@ -218,22 +270,47 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="every scenario, small sizes")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results")
     parser.add_argument("--readme", action="store_true", help="put the table into README.md")
-    parser.add_argument("--skip-harbor", action="store_true", help="engine scenarios only")
+    parser.add_argument("--skip-harbor", action="store_true", help="no real harbor job")
+    parser.add_argument("--only", choices=("engine", "traffic", "harbor"),
+                        help="one part of the suite (not with --readme)")
     args = parser.parse_args()
+    if args.only and args.readme:
+        parser.error("--readme needs every scenario: leave out --only")
+    parts = {args.only} if args.only else {"engine", "traffic", "harbor"}
+    if args.skip_harbor:
+        parts.discard("harbor")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "machine": machine(),
-        "mode": "quick" if args.quick else "full", "engine": {},
+        "mode": "quick" if args.quick else "full",
     }
-    results["engine"] = run_engines(args.quick)
-    if not args.skip_harbor:
+
+    def run_traffic() -> None:
+        results["traffic"] = traffic.suite(
+            args.quick, log=lambda line: print(f"real traffic: {line}", file=sys.stderr, flush=True))
+
+    background: threading.Thread | None = None
+    if "traffic" in parts and args.quick:
+        # Shape only: the traffic runs share the machine with the rest of the quick suite,
+        # which keeps its whole length near a minute.
+        background = threading.Thread(target=run_traffic, name="traffic")
+        background.start()
+    if "engine" in parts:
+        results["engine"] = run_engines(args.quick)
+    if "traffic" in parts and background is None:
+        run_traffic()
+    if "harbor" in parts:
         from benchmarks import harbor_job, local_environment
 
         print("real harbor job ...", file=sys.stderr, flush=True)
         results["harbor_job"] = harbor_job.run(args.quick)
         print("docker-free environment ...", file=sys.stderr, flush=True)
         results["local_environment"] = local_environment.run(args.quick)
+    if background is not None:
+        background.join()
+        if "traffic" not in results:
+            raise SystemExit("the real-traffic scenario failed (see above)")
     results["seconds"] = time.perf_counter() - started
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     table = markdown(results)

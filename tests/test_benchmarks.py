@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,6 +38,7 @@ def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
         for case in engine["cancel"] + engine["cancel_by_n"]:
             assert case["timed_out"] == case["n"] and case["traces"] == case["n"], (impl, case)
         assert isinstance(engine["threads_left_after_idle"], int)
+    check_traffic(results["traffic"])
     job = results["harbor_job"]
     for agent in ("baseline", "wmo_trio", "wmo_trio_trio_host"):
         assert job[agent]["trials"] == job["n"] and job[agent]["mean_reward"] == 1.0, agent
@@ -43,5 +46,100 @@ def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
     table = (tmp_path / "results.md").read_text()
     assert "| scenario | baseline (asyncio) |" in table and "cancel p99" in table
     assert "Real harbor job" in table and "process CPU time / ideal wall time" in table
+    assert "| real traffic | baseline (original design) |" in table
+    assert "CPU per step / SDK's own per call (sync client) @ 32 (anthropic)" in table
+    assert "No figures for" not in table
     for plot in ("start_latency.png", "cancel_latency.png"):
         assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
+
+
+def check_traffic(traffic: dict[str, Any]) -> None:
+    """Every implementation ran every episode of every burst to its submit, through the
+    real SDK and the benchmark's server, and every figure the table shows is there."""
+    sdk = traffic["sdk"]
+    assert sdk["sync_cpu_per_call_ms"] > 0 and sdk["async_trio_cpu_per_call_ms"] > 0
+    assert sdk["client_cpu_ms"] > 0
+    impls = {"baseline", "thread", "guest", "trio-asyncio", "research"}
+    expected = {(impl, provider, n) for impl in impls
+                for provider, n in (("anthropic", 8), ("anthropic", 32), ("scripted", 32))}
+    assert {(r["impl"], r["provider"], r["n"]) for r in traffic["runs"]} == expected
+    # Every model call of the anthropic runs reached the server: 5 per episode.
+    episodes = sum(r["n"] for r in traffic["runs"] if r["provider"] == "anthropic")
+    assert traffic["server"]["requests"] == 5 * episodes
+    assert traffic["server"]["tool_uses"] == {"bash": 4 * episodes, "submit": episodes}
+    for run in traffic["runs"]:
+        where = (run["impl"], run["provider"], run["n"])
+        assert "failed" not in run, (where, run.get("failed"))
+        n = run["n"]
+        assert run["submitted"] == n and run["traces"] == n and run["timed_out"] == 0, where
+        assert run["errors"] == {}, where
+        assert run["steps"] == 5 * n, where  # 4 bash calls and a submit per episode
+        assert run["wall_over_ideal"] > 0.9 and run["cpu_per_step_ms"] > 0, where
+        assert run["all_started_s"] >= run["model_s"], where  # the first command follows a call
+        assert run["peak_threads"] > 1 and run["peak_rss_mb"] > 0, where
+        assert run["machine"]["busy_cores"] > 0 <= run["machine"]["others_cores"], where
+        loops = {"host_heartbeat": run["impl"] != "research", "trio_heartbeat": run["impl"] != "baseline"}
+        for which, present in loops.items():
+            if not present:
+                assert run[which] is None, where
+                continue
+            beat = run[which]
+            assert beat["samples"] > 0, (where, which)
+            assert beat["with_start_max_ms"] >= beat["with_start_p99_ms"], (where, which)
+            assert beat["max_ms"] >= beat["p99_ms"] and not math.isnan(beat["p99_ms"]), (where, which)
+
+
+# -- the benchmark's Messages API server (reused by tests that need real model traffic) ------
+
+
+def test_messages_server_scripts_a_whole_episode_for_the_real_sdk() -> None:
+    import anthropic
+
+    from benchmarks.messages_server import serve
+
+    with serve(delay_s=0.05, tool_calls=2) as server:
+        client = anthropic.Anthropic(api_key="any", base_url=server.base_url, max_retries=0)
+        messages: list[Any] = [{"role": "user", "content": "go"}]
+        names = []
+        for _ in range(4):
+            reply = client.messages.create(model="claude-bench", max_tokens=64, messages=messages)
+            [block] = reply.content
+            assert block.type == "tool_use" and reply.stop_reason == "tool_use"
+            names.append(block.name)
+            messages += [{"role": "assistant", "content": [block.model_dump(exclude_none=True)]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id,
+                                                       "content": "ok"}]}]
+        client.close()
+        stats = server.stats()
+    # the turn comes from the request: bash while fewer than tool_calls assistant turns
+    assert names == ["bash", "bash", "submit", "submit"]
+    assert stats["requests"] == 4 and stats["tool_uses"] == {"bash": 2, "submit": 2}
+    assert stats["connections_opened"] == 2  # one kept alive for every call, one for stats
+
+
+def test_messages_server_answers_pipelined_requests_in_order_after_the_delay() -> None:
+    import socket
+    import time
+
+    from benchmarks.messages_server import serve
+
+    def request(turns: int, key: bool = True) -> bytes:
+        body = json.dumps({"model": "m", "messages": [{"role": "assistant", "content": "x"}] * turns})
+        head = f"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n"
+        return (head + ("x-api-key: k\r\n" if key else "") + "\r\n" + body).encode()
+
+    with serve(delay_s=0.2) as server:
+        host, port = server.base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as connection:
+            started = time.monotonic()
+            connection.sendall(request(4) + request(0) + request(0, key=False))
+            received = b""
+            while received.count(b"HTTP/1.1 ") < 3 or not received.endswith(b"}"):
+                chunk = connection.recv(65536)
+                assert chunk, received
+                received += chunk
+            elapsed = time.monotonic() - started
+    replies = received.split(b"HTTP/1.1 ")[1:]
+    assert [reply[:3] for reply in replies] == [b"200", b"200", b"401"]
+    assert b'"name":"submit"' in replies[0] and b'"name":"bash"' in replies[1]
+    assert elapsed >= 0.2  # no reply comes before its delay
