@@ -4,6 +4,7 @@ hosts under an asyncio driver shaped like harbor's trial (tasks, `asyncio.wait_f
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import subprocess
@@ -414,3 +415,22 @@ def test_the_trio_owned_host_stops_waits_and_unwraps() -> None:
         expected = (["run", "close", ["record", "Value", False]] if kind == "done"
                     else ["run", "stop", "close", ["record", "Value", True]])
         assert events == expected and worker_first
+
+
+def test_the_heap_is_settled_once_per_process_before_a_burst() -> None:
+    from wmo_trio.engine._engine import settle_heap
+
+    settle_heap()
+    frozen = gc.get_freeze_count()
+    assert frozen > 0  # the process's imports are out of the collector's way
+    later = [[object()] for _ in range(1000)]  # objects of a burst, alive now
+    settle_heap()
+    assert gc.get_freeze_count() == frozen and later  # never frozen with them
+
+
+async def test_prepare_loads_off_the_trio_thread_then_warms_the_workers() -> None:
+    loaded: list[threading.Thread] = []
+    engine = EpisodeEngine(workers=2)
+    await engine.prepare(6, load=lambda: loaded.append(threading.current_thread()))
+    assert loaded and loaded[0] is not threading.current_thread()
+    assert engine.limiter.total_tokens == 6

@@ -332,7 +332,7 @@ async def open_episode_pool(limit: int = 64) -> AsyncIterator[EpisodePool]:
     enclosing scope cancels its episodes with the engine's guarantees. Opening it starts
     the engine's worker threads for `limit` episodes, so a fan-out starts at once."""
     pool = EpisodePool(limit)
-    await current_engine().warm_workers(pool.limit)
+    await current_engine().prepare(pool.limit)
     try:
         yield pool
     finally:

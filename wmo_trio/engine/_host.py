@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Literal
 
 import trio
@@ -66,9 +67,9 @@ class Host(ABC):
         """
 
     @abstractmethod
-    async def prepare(self, workers: int) -> None:
-        """Get ready for up to `workers` episodes starting at once: grow the engine's
-        limiter and start its worker threads now (`EpisodeEngine.warm_workers`)."""
+    async def prepare(self, workers: int, *, load: Callable[[], object] | None = None) -> None:
+        """Get ready for up to `workers` episodes starting at once (`EpisodeEngine.prepare`:
+        `load` run in a worker thread, the heap settled, the worker threads started)."""
 
 
 def default_host_mode() -> HostMode:

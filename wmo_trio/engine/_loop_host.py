@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import outcome
@@ -155,12 +156,12 @@ class LoopServingHost(Host):
         self._spawn(in_trio)
         return await await_finished(future, cancel, cancelled=cancelled)
 
-    async def prepare(self, workers: int) -> None:
+    async def prepare(self, workers: int, *, load: Callable[[], object] | None = None) -> None:
         await asyncio.shield(self._ready)
         done: asyncio.Future[None] = self.loop.create_future()
 
         async def warm() -> None:
-            result = await outcome.acapture(current_engine().warm_workers, workers)
+            result = await outcome.acapture(current_engine().prepare, workers, load=load)
             self._settle_from_trio(done, result)
 
         self._spawn(warm)

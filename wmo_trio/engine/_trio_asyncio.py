@@ -44,9 +44,9 @@ class TrioAsyncioHost(Host):
         self.loop.run_trio_task(in_trio)  # type: ignore[attr-defined]
         return await await_finished(future, submission.cancel)
 
-    async def prepare(self, workers: int) -> None:
+    async def prepare(self, workers: int, *, load: Callable[[], object] | None = None) -> None:
         async def warm() -> None:
-            await current_engine().warm_workers(workers)
+            await current_engine().prepare(workers, load=load)
 
         await self.loop.trio_as_future(warm)  # type: ignore[attr-defined]
 

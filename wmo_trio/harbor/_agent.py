@@ -196,13 +196,15 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         return self._provider
 
     async def setup(self, environment: BaseEnvironment) -> None:
-        """Nothing to install: the episode runs host-side. Start the engine's worker
-        threads now, so trials that start together do not each create one in `run()`."""
+        """Nothing to install: the episode runs host-side. Before the burst of trials, in
+        worker threads: import what the provider's calls need, settle the heap, and start
+        the engine's worker threads, so trials that start together find them ready."""
         try:
-            await host_for_running_loop().prepare(self._setup.settings.episode_workers)
+            await host_for_running_loop().prepare(self._setup.settings.episode_workers,
+                                                  load=self._provider.prepare)
         except Exception:
-            log.warning("starting worker threads ahead of time failed; each episode will "
-                        "start its own", exc_info=True)
+            log.warning("preparing for the trials failed; each episode will do what it "
+                        "needs itself", exc_info=True)
 
     async def run(self, instruction: str, environment: BaseEnvironment,
                   context: AgentContext) -> None:

@@ -215,6 +215,11 @@ class AnthropicProvider:
             default_headers={"anthropic-version": version} if version else None,
         )
 
+    def prepare(self) -> None:
+        """Import the SDK now (seconds of CPU the first time), in this worker thread."""
+        import anthropic  # noqa: F401
+        import httpx2  # noqa: F401
+
     def close(self) -> None:
         """Later calls fail. The shared client is closed when its trio run ends."""
         self._closed = True

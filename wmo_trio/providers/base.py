@@ -178,6 +178,12 @@ class Provider(Protocol):
         `control` is interrupted while it waits."""
         ...
 
+    def prepare(self) -> None:
+        """Do now, in this (worker) thread, what the first call would otherwise do, such
+        as importing an SDK: harbor's agent calls it in its setup, before the burst."""
+        ...
+
     def close(self) -> None:
         """Release the provider's resources. Idempotent."""
         ...
+

@@ -248,6 +248,11 @@ class OpenAIProvider:
             default_headers=self._settings.headers,
         )
 
+    def prepare(self) -> None:
+        """Import the SDK now (seconds of CPU the first time), in this worker thread."""
+        import httpx2  # noqa: F401
+        import openai  # noqa: F401
+
     def close(self) -> None:
         """Later calls fail. The shared client is closed when its trio run ends."""
         self._closed = True

@@ -67,6 +67,9 @@ class RecordingProvider:
             with self.path.open("a", encoding="utf-8") as file:
                 file.write(line)
 
+    def prepare(self) -> None:
+        self.inner.prepare()
+
     def close(self) -> None:
         self.inner.close()
 

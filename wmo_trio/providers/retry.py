@@ -94,5 +94,8 @@ class RetryingProvider:
                 response = response.model_copy(update={"usage": response.usage + spent})
             return response
 
+    def prepare(self) -> None:
+        self.inner.prepare()
+
     def close(self) -> None:
         self.inner.close()

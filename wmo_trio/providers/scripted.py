@@ -164,6 +164,9 @@ class ScriptedProvider:
         usage = reply.usage or estimated_usage(request, reply.text, calls)
         return ProviderResponse(text=reply.text, tool_calls=calls, finish_reason=finish, usage=usage)
 
+    def prepare(self) -> None:
+        pass  # nothing to load: everything was read when it was built
+
     def close(self) -> None:
         pass
 
