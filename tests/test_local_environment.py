@@ -605,7 +605,7 @@ def test_stop_without_delete_keeps_the_upper_directory(tmp_path: Path) -> None:
             await environment.stop(delete=False)
 
         [trial_state] = (tmp_path / "state").iterdir()
-        assert (trial_state / "upper" / "app" / "kept.txt").read_text() == "kept\n"
+        assert (trial_state / "upper" / "_root" / "app" / "kept.txt").read_text() == "kept\n"
         assert not (trial_state / "work").exists()
         assert mounts_mentioning(str(trial_state)) == []
 
