@@ -66,7 +66,8 @@ def default_cache_dir() -> Path:
 
 @dataclass
 class ImageConfig:
-    env: dict[str, str] = field(default_factory=dict)
+    # Base images set PATH, so ENV PATH="/x:${PATH}" extends it.
+    env: dict[str, str] = field(default_factory=lambda: {"PATH": DEFAULT_PATH})
     workdir: str | None = None
     user: str | None = None
     entrypoint: list[str] | None = None
@@ -113,7 +114,12 @@ def _context_digest(context: Path) -> str:
 def image_key(context: Path, build_args: Mapping[str, str], host: HostLayers) -> str:
     status = Path("/var/lib/dpkg/status")
     host_state = status.stat().st_mtime_ns if status.exists() else 0
-    material = json.dumps([FORMAT_VERSION, sorted(build_args.items()), str(host.skeleton),
+    # The builder's own source is part of the key: a change to how images are built
+    # must not reuse images built the old way.
+    builder = b"".join(Path(__file__).with_name(name).read_bytes()
+                       for name in ("_image.py", "_dockerfile.py"))
+    material = json.dumps([FORMAT_VERSION, hashlib.sha256(builder).hexdigest(),
+                           sorted(build_args.items()), str(host.skeleton),
                            host_state, _context_digest(context)])
     return hashlib.sha256(material.encode()).hexdigest()[:24]
 
@@ -312,8 +318,11 @@ class _Builder:
         elif keyword == "WORKDIR":
             path = expand(instruction.argument.strip().strip("\"'"), self.variables)
             self.config.workdir = posixpath.normpath(posixpath.join(self.workdir, path))
-            await self._run(instruction, ["mkdir", "-p", "--", self.config.workdir],
-                            user=None, cwd="/")
+            # As BuildKit does, a WORKDIR made now belongs to the current USER.
+            script = ('[ -d "$1" ] && exit 0; mkdir -p -- "$1" || exit 1; '
+                      '[ -z "$2" ] || chown -- "$2" "$1"')
+            await self._run(instruction, ["sh", "-c", script, "sh", self.config.workdir,
+                                          self.config.user or ""], user=None, cwd="/")
         elif keyword == "USER":
             self.config.user = expand(instruction.argument.strip(), self.variables) or None
         elif keyword == "SHELL":

@@ -13,7 +13,6 @@ Python, since the Python of an image is the image's to install into.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import hashlib
 import json
@@ -34,7 +33,7 @@ EMPTY_DIRECTORIES = {"proc": 0o555, "sys": 0o555, "dev": 0o755, "tmp": 0o1777, "
                      "boot": 0o755}
 # Inside system directories: shown empty (host scratch space and logs stay private).
 EMPTIED = {"var/tmp": 0o1777, "var/log": 0o755, "var/mail": 0o2775, "var/spool/mail": 0o2775}
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -87,10 +86,15 @@ def _build(target: Path, system: tuple[str, ...], hidden: list[str]) -> None:
     for relative, mode in EMPTIED.items():
         if relative.split("/")[0] in system and Path("/", relative).is_dir():
             _opaque_dir(mask / relative, mode)
-    with contextlib.suppress(FileNotFoundError):
+    if "var" in system:
         _opaque_dir(mask / "var/log/apt", 0o755)  # apt writes its logs there
     for marker in glob.glob("/usr/lib/python3*/EXTERNALLY-MANAGED"):
         _whiteout(mask / marker.lstrip("/"))
+    # Python images have `python`; Debian has it only with python-is-python3.
+    python3 = shutil.which("python3", path="/usr/local/bin:/usr/bin")
+    if "usr" in system and python3 and not shutil.which("python", path="/usr/local/bin:/usr/bin"):
+        (mask / "usr/local/bin").mkdir(parents=True, exist_ok=True)
+        (mask / "usr/local/bin/python").symlink_to(python3)
     for relative in hidden:
         if not (mask / relative).exists():
             _whiteout(mask / relative)
