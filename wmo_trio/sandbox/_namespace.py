@@ -5,7 +5,7 @@ namespace around it, its user-mode network, and its removal.
 overlays are mounted (bubblewrap 0.8 has no overlay option), so no mount is ever visible
 on the host and all of them vanish with the sandbox's last process. bubblewrap then
 pivots into that root with fresh PID, IPC, UTS, network and cgroup namespaces, a new
-``/proc`` (``/proc/sys`` read-only), a minimal ``/dev``, an empty environment and
+``/proc`` (``/proc/sys`` and ``/proc/sysrq-trigger`` read-only), a minimal ``/dev``, an empty environment and
 Docker's default capabilities less ``CAP_MKNOD``; the helper runs there as PID 1. With
 ``--die-with-parent`` the whole sandbox is killed when the process that started it dies.
 """
@@ -43,6 +43,7 @@ HELPER = Path(__file__).with_name("_helper.py")
 CAPABILITIES = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_NET_RAW",
                 "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP",
                 "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE")
+PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/fs")
 _UNSAFE_OVERLAY_PATH = re.compile(r"[,:\\\s]")
 
 
@@ -242,6 +243,11 @@ class Sandbox:
             "--as-pid-1", "--clearenv", "--setenv", "PATH", DEFAULT_PATH,
             "--info-fd", str(info_write), "--cap-drop", "ALL",
         ]
+        for path in PROC_READ_ONLY:
+            # Root may write most sysctls with no capability at all: as Docker does,
+            # these stay read-only (bubblewrap covers /proc/irq and /proc/bus).
+            if os.path.exists(path):
+                bwrap += ["--ro-bind", path, path]
         for capability in CAPABILITIES:
             bwrap += ["--cap-add", capability]
         for bind in binds:
