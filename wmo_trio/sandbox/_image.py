@@ -246,6 +246,7 @@ class ImageCache:
                 except BlockingIOError:
                     continue
                 remove_tree(image.path)
+                (self.images / f"{image.key}.lock").unlink(missing_ok=True)
                 removed.append(image)
             finally:
                 os.close(fd)

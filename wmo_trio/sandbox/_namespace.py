@@ -246,8 +246,7 @@ class Sandbox:
         for path in PROC_READ_ONLY:
             # Root may write most sysctls with no capability at all: as Docker does,
             # these stay read-only (bubblewrap covers /proc/irq and /proc/bus).
-            if os.path.exists(path):
-                bwrap += ["--ro-bind", path, path]
+            bwrap += ["--ro-bind-try", path, path]
         for capability in CAPABILITIES:
             bwrap += ["--cap-add", capability]
         for bind in binds:
