@@ -14,6 +14,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -438,6 +439,33 @@ def test_cancelled_exec_kills_its_processes_before_the_cancellation_propagates(
                 environment.exec(f"sleep {seconds} & setsid sleep {seconds} & wait")
             )
             assert len(await until_sleeping(seconds, 2)) == 2
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert sleepers(seconds) == []
+
+    run(scenario)
+
+
+def test_an_exec_cancelled_before_its_start_is_read_back_still_kills_its_processes(
+    tmp_path: Path,
+) -> None:
+    """The interleaving a busy machine makes now and then, forced: the command runs,
+    but the helper's reply saying so is still unread when the cancellation comes."""
+    seconds = unique_seconds()
+
+    async def scenario() -> None:
+        async with running(make_environment(tmp_path)) as environment:
+            task = asyncio.create_task(
+                environment.exec(f"sleep {seconds} & setsid sleep {seconds} & wait")
+            )
+            await asyncio.sleep(0)  # the exec sends its request, then awaits the reply
+            # Polling without yielding keeps the loop from reading that reply.
+            for _ in range(3000):
+                if len(sleepers(seconds)) == 2:
+                    break
+                time.sleep(0.01)
+            assert len(sleepers(seconds)) == 2
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task

@@ -31,12 +31,15 @@ import select
 import signal
 import socket
 import sys
+import time
 from typing import Any
 
 # Set in every command's environment: finds a command's daemons even after they left
 # its session and were re-parented to this process.
 TAG_VARIABLE = "WMO_TRIO_EXEC"
 MAX_MESSAGE = 1 << 20
+# Bounds a kill only for processes the kernel cannot end (stuck in uninterruptible I/O).
+KILL_WAIT_SEC = 20.0
 
 
 class SpawnError(Exception):
@@ -166,17 +169,38 @@ def processes_of(leader: int, tag: str) -> set[int]:
 
 def kill_tree(leader: int, tag: str) -> None:
     """Stop every process of the command before killing any (a shell whose child died
-    first could otherwise run the rest of its script), and repeat while forks race."""
-    for _ in range(100):
+    first could otherwise run the rest of its script), wait until each has died, and
+    repeat while forks race. Returns once none is left alive, or after KILL_WAIT_SEC."""
+    deadline = time.monotonic() + KILL_WAIT_SEC
+    while time.monotonic() < deadline:
         victims = processes_of(leader, tag)
         if not victims:
             return
-        for sig in (signal.SIGSTOP, signal.SIGKILL):
-            for pid in victims:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+        handles = []
+        for pid in victims:
+            try:
+                handles.append(os.pidfd_open(pid))
+            except ProcessLookupError:
+                pass
+        try:
+            for sig in (signal.SIGSTOP, signal.SIGKILL):
+                for handle in handles:
+                    try:
+                        signal.pidfd_send_signal(handle, sig)
+                    except ProcessLookupError:
+                        pass
+            # A killed process stays alive until it is scheduled to run its exit, which
+            # takes a while on a busy machine; its pidfd turns readable once it has.
+            pending = handles
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                ready, _, _ = select.select(pending, [], [], left)
+                pending = [handle for handle in pending if handle not in ready]
+        finally:
+            for handle in handles:
+                os.close(handle)
 
 
 class Helper:

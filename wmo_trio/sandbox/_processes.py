@@ -21,8 +21,9 @@ __all__ = ["Channel", "Completed", "OutputCap", "SpawnFailed"]
 # still hold open. Docker's exec returns at exit too; this only bounds the drain.
 OUTPUT_DRAIN_SEC = 0.25
 # How long a killed command may take to be reported gone before the trial is declared
-# broken; the helper kills synchronously, so this is only reached if it hangs.
-KILL_REPORT_SEC = 10.0
+# broken; the helper kills synchronously (giving up after its KILL_WAIT_SEC), so this
+# is only reached if it hangs.
+KILL_REPORT_SEC = 30.0
 
 OutputCallback = Callable[[str, str], Awaitable[None]]
 
@@ -202,14 +203,18 @@ class Channel:
             for name, fd in read_ends.items()
         ]
         try:
-            started = await queue.get()
-            if "error" in started:
-                raise SpawnFailed(started["error"], int(started["code"]))
-            if "closed" in started:
-                raise ChannelClosed("the sandbox's helper exited")
+            # From the moment the request is sent, the command may be running, whether or
+            # not its start was read back yet: a cancellation in this window kills it too.
             try:
                 async with asyncio.timeout(timeout_sec or None) as scope:
+                    started = await queue.get()
+                    if "error" in started:
+                        raise SpawnFailed(started["error"], int(started["code"]))
+                    if "closed" in started:
+                        raise ChannelClosed("the sandbox's helper exited")
                     finished = await queue.get()
+            except (SpawnFailed, ChannelClosed):
+                raise
             except TimeoutError:
                 if not scope.expired():
                     raise
@@ -252,7 +257,7 @@ class Channel:
                     async with asyncio.timeout(KILL_REPORT_SEC):
                         while True:
                             message = await queue.get()
-                            if "exit" in message or "closed" in message:
+                            if message.keys() & {"exit", "error", "closed"}:
                                 return
 
         task = asyncio.get_running_loop().create_task(kill_and_wait())
