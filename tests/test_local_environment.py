@@ -492,6 +492,28 @@ def test_exec_returns_when_the_command_exits_even_if_a_background_child_holds_it
     run(scenario)
 
 
+def test_output_written_before_the_exit_is_kept_when_the_host_falls_behind(
+    tmp_path: Path,
+) -> None:
+    """The host may read a command's output late (here a slow output callback; on a
+    busy machine, the scheduler): all the command wrote before it exited is still
+    returned and streamed."""
+    streamed: list[str] = []
+
+    async def slow_callback(text: str, stream: str) -> None:
+        streamed.append(text)
+        await asyncio.sleep(1)  # far longer than the wait for background writers
+
+    async def scenario() -> None:
+        async with running(make_environment(tmp_path)) as environment:
+            with environment.scoped_output_callback(slow_callback):
+                result = await environment.exec("echo first; sleep 0.2; echo second")
+            assert result.stdout == "first\nsecond\n"
+            assert "".join(streamed) == "first\nsecond\n"
+
+    run(scenario)
+
+
 def test_no_network_tasks_get_only_a_loopback_interface(tmp_path: Path) -> None:
     async def scenario() -> None:
         environment = make_environment(

@@ -7,6 +7,7 @@ import array
 import asyncio
 import codecs
 import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -17,8 +18,9 @@ from typing import IO, Any
 
 __all__ = ["Channel", "Completed", "OutputCap", "SpawnFailed"]
 
-# After the command exits, how long to keep reading output that background processes
-# still hold open. Docker's exec returns at exit too; this only bounds the drain.
+# After the command exits, how long to wait for EOF on pipes that background processes
+# still hold open (Docker's exec returns at exit too). What the command itself wrote is
+# read in full whatever this is.
 OUTPUT_DRAIN_SEC = 0.25
 # How long a killed command may take to be reported gone before the trial is declared
 # broken; the helper kills synchronously (giving up after its KILL_WAIT_SEC), so this
@@ -198,10 +200,9 @@ class Channel:
             raise
         for fd in to_close:
             os.close(fd)
-        pumps = [
-            asyncio.get_running_loop().create_task(_pump(fd, caps[name], name, callback, output_limit))
-            for name, fd in read_ends.items()
-        ]
+        streams = [_Stream(fd, name, caps[name], callback, output_limit)
+                   for name, fd in read_ends.items()]
+        pumps = [asyncio.get_running_loop().create_task(stream.pump()) for stream in streams]
         try:
             # From the moment the request is sent, the command may be running, whether or
             # not its start was read back yet: a cancellation in this window kills it too.
@@ -225,7 +226,11 @@ class Channel:
                 raise
             if "closed" in finished:
                 raise ChannelClosed("the sandbox's helper exited while a command ran")
+            # Until EOF, or for a while if background processes hold the pipes open.
             await asyncio.wait(pumps, timeout=OUTPUT_DRAIN_SEC)
+            for stream in streams:
+                stream.finish()
+            await asyncio.wait(pumps)
         finally:
             for pump in pumps:
                 pump.cancel()
@@ -268,32 +273,75 @@ class Channel:
             raise
 
 
-async def _pump(fd: int, cap: OutputCap, stream: str, callback: OutputCallback | None,
-                limit: int) -> None:
-    """Read a pipe until EOF into ``cap``; forward text to ``callback`` until ``limit``
-    bytes were forwarded, then say once that the rest is not shown."""
-    os.set_blocking(fd, False)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    forwarded = 0
-    while True:
-        try:
-            chunk = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            await wait_readable(fd)
-            continue
-        if not chunk:
-            break
-        cap.add(chunk)
-        if callback is not None and forwarded <= limit:
-            if forwarded + len(chunk) > limit:
-                await callback(f"\n[wmo-trio sandbox: further {stream} is not streamed]\n", stream)
-                forwarded = limit + 1
+class _Stream:
+    """Reads one of a command's output pipes into an :class:`OutputCap`, forwarding text
+    to the callback until ``limit`` bytes were forwarded, then saying once that the rest
+    is not shown."""
+
+    def __init__(self, fd: int, name: str, cap: OutputCap, callback: OutputCallback | None,
+                 limit: int) -> None:
+        self.fd = fd
+        self.name = name
+        self.cap = cap
+        self.callback = callback
+        self.limit = limit
+        self.forwarded = 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.wake: asyncio.Future[None] | None = None
+        self.budget: int | None = None  # bytes still read once the command exited
+
+    def finish(self) -> None:
+        """The command exited: stop once the pipe is empty instead of waiting for EOF.
+        What the command wrote is in the pipe already, so it is read whatever the
+        scheduler did meanwhile; a background process that keeps writing is not
+        followed beyond one pipe's worth."""
+        self.budget = fcntl.fcntl(self.fd, fcntl.F_GETPIPE_SZ)
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+
+    async def pump(self) -> None:
+        os.set_blocking(self.fd, False)
+        loop = asyncio.get_running_loop()
+        while self.budget is None or self.budget > 0:
+            try:
+                chunk = os.read(self.fd, min(self.budget or 1 << 16, 1 << 16))
+            except BlockingIOError:
+                if self.budget is not None:
+                    break
+                self.wake = loop.create_future()
+                loop.add_reader(self.fd, _settle, self.wake)
+                try:
+                    await self.wake
+                finally:
+                    loop.remove_reader(self.fd)
+                    self.wake = None
                 continue
-            forwarded += len(chunk)
-            if text := decoder.decode(chunk):
-                await callback(text, stream)
-    if callback is not None and forwarded <= limit and (text := decoder.decode(b"", final=True)):
-        await callback(text, stream)
+            if not chunk:
+                break
+            if self.budget is not None:
+                self.budget -= len(chunk)
+            await self._forward(chunk)
+        if self.callback is not None and self.forwarded <= self.limit:
+            if text := self.decoder.decode(b"", final=True):
+                await self.callback(text, self.name)
+
+    async def _forward(self, chunk: bytes) -> None:
+        self.cap.add(chunk)
+        if self.callback is None or self.forwarded > self.limit:
+            return
+        if self.forwarded + len(chunk) > self.limit:
+            await self.callback(f"\n[wmo-trio sandbox: further {self.name} is not streamed]\n",
+                                self.name)
+            self.forwarded = self.limit + 1
+            return
+        self.forwarded += len(chunk)
+        if text := self.decoder.decode(chunk):
+            await self.callback(text, self.name)
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 async def wait_readable(fd: int) -> None:
