@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from test_cli import ROOT, wmo_trio
-from test_local_environment import pytestmark, reward, run_harbor, trial_results
+from test_local_environment import HARBOR_ENV, pytestmark, reward, run_harbor, trial_results
 
 __all__ = ["pytestmark"]
 
@@ -16,7 +16,7 @@ HELLO = ROOT / "examples" / "tasks" / "hello-file"
 @pytest.mark.harbor
 def test_run_says_once_on_stderr_that_it_falls_back_to_the_sandbox(tmp_path: Path) -> None:
     completed = wmo_trio("run", "-o", "jobs", "-p", str(HELLO), cwd=tmp_path,
-                         env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+                         env={**HARBOR_ENV, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
     assert completed.returncode == 0, completed.stderr
     lines = [line for line in completed.stderr.splitlines() if "docker-free sandbox" in line]
     assert len(lines) == 1

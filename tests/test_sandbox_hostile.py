@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 from test_local_environment import (
     HARBOR,
+    HARBOR_ENV,
     REPO,
     TASKS,
+    WAIT_BOUND_SEC,
     make_environment,
     pytestmark,
     reward,
@@ -155,25 +157,23 @@ def test_sigkill_of_harbor_leaves_nothing_once_the_next_job_ran(tmp_path: Path) 
         f"#!/bin/sh\nhead -c 50000000 /dev/urandom > /app/blob\nsleep {seconds} &\nsleep {seconds}\n"
     )
     state_dir = tmp_path / "state"
-    environment = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    environment = {**os.environ, **HARBOR_ENV}
     harbor = subprocess.Popen(
         [str(HARBOR), "run", "-e", "wmo_trio.harbor:LocalEnvironment", "-p", str(task), "-a",
          "oracle", "-o", str(tmp_path / "jobs"), "-y", "-q", "--ek", f"state_dir={state_dir}"],
         env=environment, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        for _ in range(1200):  # the trial is running when its sleepers are
-            if len(sleepers(seconds)) == 2:
-                break
+        deadline = time.monotonic() + 600  # the trial is running when its sleepers are
+        while len(sleepers(seconds)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(sleepers(seconds)) == 2
         assert any(state_dir.rglob("blob"))
     finally:
         harbor.send_signal(signal.SIGKILL)
         harbor.wait()
-    for _ in range(200):  # the sandbox dies with its parent, asynchronously
-        if not sleepers(seconds):
-            break
+    deadline = time.monotonic() + WAIT_BOUND_SEC  # the sandbox dies with its parent, asynchronously
+    while sleepers(seconds) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sleepers(seconds) == []
 

@@ -79,8 +79,9 @@ def test_concurrent_trials_on_one_port_never_answer_each_other(
     silent = tasks / "silent-service"
     shutil.copytree(TASKS / "token-service", silent)
     (silent / "environment" / "entrypoint.sh").write_text('#!/bin/sh\nexec "$@"\n')
-    toml = (silent / "task.toml").read_text().replace("start_period_sec = 20.0",
+    toml = (silent / "task.toml").read_text().replace("start_period_sec = 120.0",
                                                       "start_period_sec = 3.0")
+    assert "start_period_sec = 3.0" in toml
     (silent / "task.toml").write_text(toml)
 
     completed = run_harbor(tmp_path / "jobs", "-p", str(tasks), "-a", "oracle", "-k", "4",
