@@ -7,7 +7,7 @@ import json
 import re
 import shlex
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 __all__ = ["DockerfileError", "Instruction", "expand", "final_stage", "parse"]
@@ -30,10 +30,12 @@ class Instruction:
     line: int
     flags: dict[str, str] = field(default_factory=dict)
     heredoc: str | None = None
+    origin: str = ""  # where it comes from when not from the task's Dockerfile
 
     def describe(self) -> str:
         text = f"{self.keyword} {self.argument}".strip()
-        return f"line {self.line}: {text if len(text) <= 120 else text[:117] + '...'}"
+        where = self.origin or f"line {self.line}"
+        return f"{where}: {text if len(text) <= 120 else text[:117] + '...'}"
 
     def json_list(self) -> list[str] | None:
         """The exec-form argument (a JSON array of strings), or None for shell form."""
@@ -48,6 +50,19 @@ class Instruction:
             return value
         return None
 
+
+# Task base images built on an official one, by name prefix, and what they add to it as
+# Dockerfile lines. The host's userland stands in for the official image; these lines
+# rebuild the rest, since tasks rely on it (files copied to the WORKDIR their base set).
+DERIVED_BASES = {
+    # terminal-bench's images: the official one, tmux, curl, asciinema, WORKDIR /app.
+    "ghcr.io/laude-institute/t-bench/": (
+        "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y "
+        "--no-install-recommends tmux curl asciinema && rm -rf /var/lib/apt/lists/*\n"
+        "RUN echo 'debconf debconf/frontend select Noninteractive' | debconf-set-selections\n"
+        "WORKDIR /app\n"
+    ),
+}
 
 _HEREDOC = re.compile(r"<<(-?)([\"']?)([A-Za-z_][A-Za-z0-9_]*)\2")
 _FLAG = re.compile(r"--([a-z-]+)(?:=(\S*))?")
@@ -141,6 +156,9 @@ def final_stage(instructions: list[Instruction], build_args: Mapping[str, str]) 
     if base == "scratch":
         raise DockerfileError("FROM scratch cannot be built here: the host's userland is the "
                               "base image of every task")
+    for prefix, lines in DERIVED_BASES.items():
+        if base.startswith(prefix):
+            chain[:0] = [replace(step, origin=f"base image {base}") for step in parse(lines)]
     for instruction in chain:
         source = instruction.flags.get("from")
         if instruction.keyword in ("COPY", "ADD") and source is not None:
