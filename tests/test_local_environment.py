@@ -522,6 +522,23 @@ def test_output_written_before_the_exit_is_kept_when_the_host_falls_behind(
     run(scenario)
 
 
+def test_a_long_output_keeps_its_head_and_tail_and_says_what_was_cut(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with running(make_environment(tmp_path)) as environment:
+            result = await environment.exec(
+                "printf start; head -c 10000000 /dev/zero | tr '\\0' x; printf end"
+            )
+            assert result.stdout is not None and result.stderr is not None
+            assert len(result.stdout) == 4 << 20
+            assert result.stdout.startswith("startxxx") and result.stdout.endswith("xxxend")
+            assert result.stderr.strip().splitlines()[-1] == (
+                f"[wmo-trio sandbox: stdout was 10,000,008 bytes; {10_000_008 - (4 << 20):,} "
+                "bytes in its middle were not kept]"
+            )
+
+    run(scenario)
+
+
 def test_no_network_tasks_get_only_a_loopback_interface(tmp_path: Path) -> None:
     async def scenario() -> None:
         environment = make_environment(
