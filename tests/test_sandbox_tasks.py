@@ -1,4 +1,4 @@
-"""The sandbox builds and runs real harbor tasks: the six under tests/tasks, each modelled
+"""The sandbox builds and runs real harbor tasks: the ones under tests/tasks, each modelled
 on a public task, through harbor's own CLI with its oracle agent, from an empty cache."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_the_tasks_need_run_copy_user_and_entrypoint() -> None:
 def test_every_image_is_built_once_and_listed(oracle_job: dict[str, Any], cache_dir: Path) -> None:
     from wmo_trio.sandbox import ImageCache
 
-    assert len(oracle_job["results"]) == 6
+    assert len(oracle_job["results"]) == len(list(TASKS.glob("*/task.toml")))
     listed = ImageCache(cache_dir).entries()
     assert sorted(image.task for image in listed) == sorted(
         path.name for path in TASKS.iterdir() if (path / "task.toml").is_file()
