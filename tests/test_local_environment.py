@@ -409,6 +409,21 @@ def test_exec_uses_harbors_default_user(tmp_path: Path) -> None:
     run(scenario)
 
 
+def test_the_image_has_the_hosts_system_accounts_but_not_its_people(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with running(make_environment(tmp_path)) as environment:
+            people = await environment.exec(
+                "awk -F: '$3 >= 1000 && $3 <= 60000' /etc/passwd /etc/group"
+            )
+            assert (people.stdout, people.return_code) == (None, 0)
+            # What a Dockerfile's `useradd -u 1000` needs, whoever has 1000 on the host.
+            added = await environment.exec("useradd -m -u 1000 probe && id -u probe")
+            assert added.stdout == "1000\n", added.stderr
+            assert (await environment.exec("id -un", user="nobody")).stdout == "nobody\n"
+
+    run(scenario)
+
+
 def test_exec_as_an_unknown_user_fails_like_docker(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with running(make_environment(tmp_path)) as environment:

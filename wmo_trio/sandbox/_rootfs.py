@@ -8,7 +8,8 @@ root overlay whose lowest layer is a *skeleton*: empty mount points, the host's
 of the host is a layer. A *mask* layer, just above each host directory, whites out what
 must stay unseen inside it (the project, job and cache directories when they live
 there, ``/var/tmp``, ``/var/log``) and the ``EXTERNALLY-MANAGED`` marker of the host's
-Python, since the Python of an image is the image's to install into.
+Python, since the Python of an image is the image's to install into; it also holds the
+host's account files without the accounts of people, as an image has system ones only.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ EMPTY_DIRECTORIES = {"proc": 0o555, "sys": 0o555, "dev": 0o755, "tmp": 0o1777, "
                      "boot": 0o755}
 # Inside system directories: shown empty (host scratch space and logs stay private).
 EMPTIED = {"var/tmp": 0o1777, "var/log": 0o755, "var/mail": 0o2775, "var/spool/mail": 0o2775}
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
+# The account files of /etc, and the field of each that says whose entry it is.
+ACCOUNT_FILES = {"passwd": "uid", "shadow": "passwd", "group": "gid", "gshadow": "group"}
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,52 @@ def _build(target: Path, system: tuple[str, ...], hidden: list[str]) -> None:
     if "usr" in system and python3 and not shutil.which("python", path="/usr/local/bin:/usr/bin"):
         (mask / "usr/local/bin").mkdir(parents=True, exist_ok=True)
         (mask / "usr/local/bin/python").symlink_to(python3)
+    if "etc" in system:
+        _system_accounts(mask)
     for relative in hidden:
         if not (mask / relative).exists():
             _whiteout(mask / relative)
+
+
+def _login_range(prefix: str) -> range:
+    """The ids ``useradd`` gives people (``UID_MIN``..``UID_MAX`` of login.defs)."""
+    bounds = {f"{prefix}_MIN": 1000, f"{prefix}_MAX": 60000}
+    try:
+        for line in Path("/etc/login.defs").read_text().splitlines():
+            words = line.split()
+            if len(words) == 2 and words[0] in bounds and words[1].isdigit():
+                bounds[words[0]] = int(words[1])
+    except OSError:
+        pass
+    return range(bounds[f"{prefix}_MIN"], bounds[f"{prefix}_MAX"] + 1)
+
+
+def _system_accounts(mask: Path) -> None:
+    """The host's account files without its people's accounts: an image holds system
+    accounts only, and its Dockerfile's ``useradd -u 1000`` must find that id free."""
+    people = {"uid": _login_range("UID"), "gid": _login_range("GID")}
+    dropped: dict[str, set[str]] = {}
+    for name, owner in ACCOUNT_FILES.items():
+        source = Path("/etc") / name
+        if not source.is_file():
+            continue
+        kept, gone = [], set()
+        for line in source.read_text().splitlines(keepends=True):
+            fields = line.split(":")
+            if owner in people:
+                person = len(fields) > 2 and fields[2].isdigit() and int(fields[2]) in people[owner]
+            else:
+                person = fields[0] in dropped.get(owner, set())
+            if person:
+                gone.add(fields[0])
+            else:
+                kept.append(line)
+        dropped[name] = gone
+        target = mask / "etc" / name
+        target.write_text("".join(kept))
+        shutil.copystat(source, target)
+        info = source.stat()
+        os.chown(target, info.st_uid, info.st_gid)
 
 
 def host_layers(cache_dir: Path, hidden: Iterable[Path]) -> HostLayers:
@@ -107,7 +153,9 @@ def host_layers(cache_dir: Path, hidden: Iterable[Path]) -> HostLayers:
     entries = _hidden_entries(hidden, system)
     links = {name: os.readlink(f"/{name}") for name in SYSTEM_DIRECTORIES
              if os.path.islink(f"/{name}")}
-    key = hashlib.sha256(json.dumps([LAYOUT_VERSION, system, entries, links,
+    accounts = [hashlib.sha256(path.read_bytes()).hexdigest()
+                for path in (Path("/etc") / name for name in ACCOUNT_FILES) if path.is_file()]
+    key = hashlib.sha256(json.dumps([LAYOUT_VERSION, system, entries, links, accounts,
                                      sorted(glob.glob("/usr/lib/python3*/EXTERNALLY-MANAGED"))])
                          .encode()).hexdigest()[:16]
     target = cache_dir / "host" / key
