@@ -381,6 +381,18 @@ def test_exec_does_not_see_the_host_process_environment(
     run(scenario)
 
 
+def test_tools_with_their_own_ca_roots_are_pointed_at_the_system_bundle(tmp_path: Path) -> None:
+    """uv, for one, trusts only its own roots unless told; the system bundle is what
+    apt, curl and pip trust, including a CA an egress proxy signs with."""
+
+    async def scenario() -> None:
+        async with running(make_environment(tmp_path)) as environment:
+            result = await environment.exec('test -s "$SSL_CERT_FILE" && echo "$SSL_CERT_FILE"')
+            assert result.stdout == "/etc/ssl/certs/ca-certificates.crt\n"
+
+    run(scenario)
+
+
 def test_exec_runs_as_a_named_user(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with running(make_environment(tmp_path)) as environment:

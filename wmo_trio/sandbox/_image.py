@@ -64,10 +64,24 @@ def default_cache_dir() -> Path:
     return Path(base) / "wmo-trio" / "sandbox"
 
 
+# The system's CA bundle. Tools that ship their own roots (uv) are pointed at it, so they
+# trust what apt, curl and pip trust here: a host's egress proxy may re-sign TLS with a CA
+# only the host's store knows.
+SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+def base_env() -> dict[str, str]:
+    """The environment every image starts from, before its Dockerfile's ``ENV``."""
+    # Base images set PATH, so ENV PATH="/x:${PATH}" extends it.
+    env = {"PATH": DEFAULT_PATH}
+    if os.path.isfile(SYSTEM_CA_BUNDLE):
+        env["SSL_CERT_FILE"] = SYSTEM_CA_BUNDLE
+    return env
+
+
 @dataclass
 class ImageConfig:
-    # Base images set PATH, so ENV PATH="/x:${PATH}" extends it.
-    env: dict[str, str] = field(default_factory=lambda: {"PATH": DEFAULT_PATH})
+    env: dict[str, str] = field(default_factory=base_env)
     workdir: str | None = None
     user: str | None = None
     entrypoint: list[str] | None = None
