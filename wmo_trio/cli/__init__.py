@@ -23,6 +23,9 @@ app = typer.Typer(
 )
 doc_app = typer.Typer(help="Check harness documents.", no_args_is_help=True)
 app.add_typer(doc_app, name="doc")
+sandbox_app = typer.Typer(help="The docker-free environment's cache of built task images.",
+                          no_args_is_help=True)
+app.add_typer(sandbox_app, name="sandbox")
 
 # Tables stay readable when output goes to a file or a CI log.
 console = Console(width=None if sys.stdout.isatty() else 140)
@@ -169,6 +172,42 @@ def doc_validate(file: Path) -> None:
 def doc_hash(file: Path) -> None:
     """Print the document's doc_hash."""
     sys.stdout.write(_load_doc(file).doc_hash + "\n")
+
+
+CacheDir = Annotated[Path | None, typer.Option(
+    "--cache-dir", help="The image cache (default: ~/.cache/wmo-trio/sandbox, as "
+    "LocalEnvironment's cache_dir).")]
+
+
+@sandbox_app.command("images")
+def sandbox_images(cache_dir: CacheDir = None) -> None:
+    """List the built task images: key, task, size, last use, whether a trial uses it."""
+    from datetime import datetime
+
+    from wmo_trio.sandbox import ImageCache, default_cache_dir
+
+    cache = ImageCache(cache_dir or default_cache_dir())
+    for image in cache.entries():
+        used = datetime.fromtimestamp(image.built_at).strftime("%Y-%m-%d %H:%M")
+        console.print(f"{image.key}  {image.task:<32} {image.size_bytes / 2**20:8.1f} MiB  "
+                      f"last used {used}{'  in use' if image.in_use else ''}", highlight=False)
+    console.print(f"cache: {cache.root}", highlight=False)
+
+
+@sandbox_app.command("prune")
+def sandbox_prune(
+    cache_dir: CacheDir = None,
+    older_than_days: Annotated[float | None, typer.Option(
+        "--older-than-days", help="Only images last used this many days ago or more.")] = None,
+) -> None:
+    """Remove built images no trial is using (they are rebuilt when next needed)."""
+    from wmo_trio.sandbox import ImageCache, default_cache_dir
+
+    cache = ImageCache(cache_dir or default_cache_dir())
+    older = None if older_than_days is None else older_than_days * 86400
+    removed = cache.prune(older) if cache.root.exists() else []
+    freed = sum(image.size_bytes for image in removed)
+    console.print(f"removed {len(removed)} image(s), {freed / 2**20:.1f} MiB", highlight=False)
 
 
 def main() -> None:

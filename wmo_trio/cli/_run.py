@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -84,6 +85,9 @@ def _environment_config(name: str | None) -> Any:
 
     if name is None:
         name = "docker" if docker_daemon_answers() else LOCAL_ENVIRONMENT
+        if name == LOCAL_ENVIRONMENT:
+            sys.stderr.write("wmo-trio: no Docker daemon answers; running tasks in the "
+                             f"docker-free sandbox ({LOCAL_ENVIRONMENT}, see the README)\n")
     if ":" in name:
         return EnvironmentConfig(import_path=name)
     try:

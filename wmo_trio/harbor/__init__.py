@@ -8,6 +8,6 @@
 
 from wmo_trio.harbor._agent import AGENT_NAME, HarborEpisode, WmoTrioHarborAgent
 from wmo_trio.harbor._job import run_job
-from wmo_trio.harbor._local_environment import LocalEnvironment
+from wmo_trio.sandbox import LocalEnvironment
 
 __all__ = ["AGENT_NAME", "HarborEpisode", "LocalEnvironment", "WmoTrioHarborAgent", "run_job"]

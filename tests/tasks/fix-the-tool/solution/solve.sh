@@ -1,0 +1,3 @@
+#!/bin/sh
+set -e
+sed -i 's/(len(numbers) + 1)/len(numbers)/' "$(command -v mean)"

@@ -1,0 +1,2 @@
+#!/bin/sh
+cd /data && tree project > listing.txt

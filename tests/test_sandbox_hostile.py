@@ -1,0 +1,186 @@
+"""A trial is hostile: it runs as root and tries to leave its sandbox, read what it must
+not read, flood harbor, or outlive a killed harbor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from test_local_environment import (
+    HARBOR,
+    HARBOR_ENV,
+    REPO,
+    TASKS,
+    WAIT_BOUND_SEC,
+    make_environment,
+    pytestmark,
+    reward,
+    run,
+    run_harbor,
+    running,
+    sleepers,
+    trial_results,
+    unique_seconds,
+)
+
+__all__ = ["pytestmark"]
+
+CHROOT_ESCAPE = textwrap.dedent("""
+    import os
+    os.makedirs("/tmp/jail", exist_ok=True)
+    outside = os.open("/", os.O_RDONLY)
+    os.chroot("/tmp/jail")
+    os.fchdir(outside)
+    for _ in range(64):
+        os.chdir("..")
+    os.chroot(".")
+    print(sorted(os.listdir("/")))
+    with open(os.environ["TARGET"], "w") as handle:
+        handle.write("escaped")
+""")
+
+
+def test_the_classic_chroot_escape_stays_in_the_sandbox(tmp_path: Path) -> None:
+    target = tmp_path / f"escaped-{uuid.uuid4().hex}"
+
+    async def scenario() -> None:
+        async with running(make_environment(tmp_path)) as environment:
+            result = await environment.exec(f"python3 -c '{CHROOT_ESCAPE}'",
+                                            env={"TARGET": str(target)})
+            assert result.stdout is not None
+            assert "'work'" not in result.stdout and "'app'" in result.stdout
+            assert result.return_code != 0  # tmp_path does not exist in there
+
+    run(scenario)
+    assert not target.exists()
+
+
+def test_no_host_process_or_environment_variable_is_visible(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = f"secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("WMO_TRIO_PROBE_API_KEY", secret)
+
+    async def scenario() -> None:
+        async with running(make_environment(tmp_path)) as environment:
+            own = await environment.exec(f"cat /proc/{os.getpid()}/environ; "
+                                         "cat /proc/[0-9]*/environ | tr '\\0' '\\n'; "
+                                         "ls /proc | grep -c '^[0-9]'")
+            assert own.stdout is not None
+            assert secret not in own.stdout + (own.stderr or "")
+            assert int(own.stdout.strip().splitlines()[-1]) <= 5  # helper, shell, pipeline
+
+    run(scenario)
+
+
+def test_the_tasks_solution_tests_and_project_are_not_readable(tmp_path: Path) -> None:
+    solution = TASKS / "hello-file" / "solution" / "solve.sh"
+    verifier = TASKS / "hello-file" / "tests" / "test.sh"
+
+    async def scenario() -> None:
+        async with running(make_environment(tmp_path)) as environment:
+            for path in (solution, verifier, REPO / "README.md", tmp_path):
+                probe = await environment.exec(f"ls -d '{path}' || cat '{path}'")
+                assert probe.return_code != 0, path
+                assert probe.stdout is None, path
+
+    run(scenario)
+
+
+def test_proc_sys_hostname_cgroups_and_disks_stay_out_of_reach(tmp_path: Path) -> None:
+    host_hostname = Path("/proc/sys/kernel/hostname").read_text()
+    swappiness = Path("/proc/sys/vm/swappiness").read_text()
+    cgroups = sorted(os.listdir("/sys/fs/cgroup"))
+    probes = {
+        "echo 7 > /proc/sys/vm/swappiness": "sysctl",
+        "mkdir /sys/fs/cgroup/probe": "cgroup",
+        "mknod /tmp/disk b 254 0": "mknod",
+        "ls /dev | grep -E '^(vd|sd|nvme|loop|kvm|mem|kmsg)'": "devices",
+        "mount -t tmpfs none /mnt": "mount",
+        "hostname probe-host": "hostname",
+        "echo h > /proc/sysrq-trigger": "sysrq",  # h: harmless, if it ever got through
+    }
+
+    async def scenario() -> None:
+        async with running(make_environment(tmp_path)) as environment:
+            for command, what in probes.items():
+                assert (await environment.exec(command)).return_code != 0, what
+
+    run(scenario)
+    assert Path("/proc/sys/kernel/hostname").read_text() == host_hostname
+    assert Path("/proc/sys/vm/swappiness").read_text() == swappiness
+    assert sorted(os.listdir("/sys/fs/cgroup")) == cgroups
+
+
+def test_a_gigabyte_of_output_is_cut_while_it_streams(tmp_path: Path) -> None:
+    """Measured in a fresh process: its peak memory stays within a few MB of what it
+    was before the command, and the result says how much was cut."""
+    script = textwrap.dedent(f"""
+        import asyncio, resource, sys
+        sys.path.insert(0, {str(REPO / "tests")!r})
+        from pathlib import Path
+        from test_local_environment import make_environment, running
+
+        async def main():
+            async with running(make_environment(Path({str(tmp_path)!r}))) as environment:
+                await environment.exec("echo warm-up")
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                result = await environment.exec("head -c 1000000000 /dev/zero | tr '\\\\0' a")
+                after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                print(after - before, len(result.stdout), result.stderr.strip().splitlines()[-1])
+
+        asyncio.run(main())
+    """)
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                               timeout=300, check=False, cwd=REPO)
+    assert completed.returncode == 0, completed.stderr
+    growth_kib, kept, note = completed.stdout.split(" ", 2)
+    assert int(growth_kib) < 32 * 1024
+    assert int(kept) <= 4 << 20
+    assert "stdout was 1,000,000,000 bytes" in note and "not kept" in note
+
+
+def test_sigkill_of_harbor_leaves_nothing_once_the_next_job_ran(tmp_path: Path) -> None:
+    seconds = unique_seconds()
+    task = tmp_path / "hog"
+    import shutil
+
+    shutil.copytree(TASKS / "hello-file", task)
+    (task / "solution" / "solve.sh").write_text(
+        f"#!/bin/sh\nhead -c 50000000 /dev/urandom > /app/blob\nsleep {seconds} &\nsleep {seconds}\n"
+    )
+    state_dir = tmp_path / "state"
+    environment = {**os.environ, **HARBOR_ENV}
+    harbor = subprocess.Popen(
+        [str(HARBOR), "run", "-e", "wmo_trio.harbor:LocalEnvironment", "-p", str(task), "-a",
+         "oracle", "-o", str(tmp_path / "jobs"), "-y", "-q", "--ek", f"state_dir={state_dir}"],
+        env=environment, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 600  # the trial is running when its sleepers are
+        while len(sleepers(seconds)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(sleepers(seconds)) == 2
+        assert any(state_dir.rglob("blob"))
+    finally:
+        harbor.send_signal(signal.SIGKILL)
+        harbor.wait()
+    deadline = time.monotonic() + WAIT_BOUND_SEC  # the sandbox dies with its parent, asynchronously
+    while sleepers(seconds) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sleepers(seconds) == []
+
+    completed = run_harbor(tmp_path / "next", "-p", str(TASKS / "hello-file"), "-a", "oracle",
+                           "--ek", f"state_dir={state_dir}")
+
+    assert completed.returncode == 0, completed.stderr
+    [result] = trial_results(tmp_path / "next").values()
+    assert reward(result) == 1.0
+    assert list(state_dir.iterdir()) == []

@@ -1,0 +1,31 @@
+"""The docker-free environment: harbor tasks built and run in bubblewrap sandboxes.
+
+- `LocalEnvironment`: the harbor environment (`-e wmo_trio.harbor:LocalEnvironment`).
+- `ImageCache`: the built images (`wmo-trio sandbox images` / `prune`).
+- `SandboxUnavailableError`: this machine cannot run sandboxes (the message says why).
+- `BuildError`, `DockerfileError`: a task's Dockerfile failed, or cannot be built here.
+
+Module by job: `_dockerfile` reads Dockerfiles, `_image` builds and caches images,
+`_rootfs` chooses the host layers, `_namespace` starts and ends sandboxes,
+`_processes` runs commands in them, `_transfer` copies files, `_helper` is the process
+inside every sandbox, `_environment` is harbor's interface.
+"""
+
+from wmo_trio.sandbox._dockerfile import DockerfileError
+from wmo_trio.sandbox._environment import LocalEnvironment
+from wmo_trio.sandbox._image import BuildError, CachedImage, ImageCache, default_cache_dir
+from wmo_trio.sandbox._namespace import SandboxUnavailableError
+
+# The name the previous module exported.
+LocalEnvironmentUnavailableError = SandboxUnavailableError
+
+__all__ = [
+    "BuildError",
+    "CachedImage",
+    "DockerfileError",
+    "ImageCache",
+    "LocalEnvironment",
+    "LocalEnvironmentUnavailableError",
+    "SandboxUnavailableError",
+    "default_cache_dir",
+]

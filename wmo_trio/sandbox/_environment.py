@@ -1,0 +1,384 @@
+"""``LocalEnvironment``: harbor's environment interface over a sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from harbor.environments.base import BaseEnvironment, ExecResult
+from harbor.environments.capabilities import (
+    EnvironmentCapabilities,
+    EnvironmentResourceCapabilities,
+)
+from harbor.environments.definition import require_agent_environment_definition
+from harbor.models.task.config import NetworkMode
+
+from wmo_trio.sandbox import _transfer
+from wmo_trio.sandbox._dockerfile import DockerfileError
+from wmo_trio.sandbox._image import Image, ImageCache, ImageConfig, default_cache_dir
+from wmo_trio.sandbox._namespace import (
+    DEFAULT_PATH,
+    Bind,
+    Sandbox,
+    StateDir,
+    default_state_root,
+    missing_tools,
+    remove_stale_states,
+    remove_tree,
+    unavailable,
+)
+from wmo_trio.sandbox._processes import SpawnFailed
+from wmo_trio.sandbox._rootfs import host_layers
+
+__all__ = ["LocalEnvironment"]
+
+ENTRYPOINT_LOG = "sandbox-entrypoint.log"
+BUILD_LOG = "sandbox-build.log"
+# What harbor's Docker environment runs as the container's command; an ENTRYPOINT
+# receives it as its arguments.
+KEEPALIVE = ["sh", "-c", "sleep infinity"]
+
+
+class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
+    """Harbor environment that builds the task's Dockerfile and runs each trial in a
+    bubblewrap sandbox, without Docker.
+
+    Select it with ``harbor run -e wmo_trio.harbor:LocalEnvironment``.
+
+    - **The host's userland is the base image.** ``FROM`` is not pulled: the host's
+      ``/usr``, ``/etc``, ``/var`` and ``/opt`` stand in for it, read-only. The other
+      instructions are built once per image and cached (``wmo-trio sandbox images``).
+    - Each trial has a private overlay root, PID, IPC, UTS, mount, cgroup and network
+      namespaces, a fresh ``/proc``, a minimal ``/dev``, only the task's and harbor's
+      environment variables, and outbound network through slirp4netns unless the task
+      forbids it. Nothing of the host's ``/tmp``, ``/root``, ``/home`` or the project,
+      job and task directories is visible.
+    - It runs as root on Linux with bubblewrap, slirp4netns and util-linux; elsewhere
+      ``preflight`` and ``start`` fail with one error pointing to ``-e docker``.
+    - ``--ek state_dir=...`` (default ``$TMPDIR/wmo-trio-sandbox``) holds trials' upper
+      directories, ``--ek cache_dir=...`` (default ``~/.cache/wmo-trio/sandbox``) the
+      built images, ``--ek build_args='{"NAME": "value"}'`` sets ``ARG`` values.
+      ``stop(delete=False)`` keeps the trial's upper directories for inspection.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        state_dir: str | Path | None = None,
+        cache_dir: str | Path | None = None,
+        build_args: Mapping[str, str] | str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._state_root = Path(state_dir) if state_dir else default_state_root()
+        self._cache = ImageCache(Path(cache_dir) if cache_dir else default_cache_dir())
+        if isinstance(build_args, str):
+            build_args = json.loads(build_args)
+        if build_args is not None and not (
+            isinstance(build_args, Mapping)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in build_args.items())
+        ):
+            raise ValueError("build_args must be a JSON object of strings, e.g. '{\"V\": \"1\"}'")
+        self._build_args = dict(build_args or {})
+        self._sandbox: Sandbox | None = None
+        self._image: Image | None = None
+        self._config = ImageConfig()
+        self._shell = "sh"
+        self._entrypoint_task: asyncio.Task[None] | None = None
+        super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def type() -> str:
+        return "wmo-trio-local"
+
+    @property
+    def capabilities(self) -> EnvironmentCapabilities:
+        return EnvironmentCapabilities(mounted=True, disable_internet=True)
+
+    @classmethod
+    def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
+        # CPU and memory figures are accepted but not enforced (see the README).
+        return EnvironmentResourceCapabilities(fractional_cpus=True)
+
+    @classmethod
+    def preflight(cls) -> None:
+        """Fail the job early, before any trial is queued, if no trial could start."""
+        reason = missing_tools()
+        if reason is not None:
+            raise SystemExit(str(unavailable(reason)))
+
+    def _validate_definition(self) -> None:
+        if (self.environment_dir / "docker-compose.yaml").exists():
+            raise ValueError(
+                "LocalEnvironment does not run Docker Compose task environments; "
+                "use harbor's Docker environment (-e docker)."
+            )
+        require_agent_environment_definition(
+            self.environment_dir, docker_image=self.task_env_config.docker_image
+        )
+        for mount in self._mounts:
+            if mount["type"] != "bind":
+                raise ValueError(
+                    f"LocalEnvironment supports only bind mounts, not {mount['type']!r} "
+                    f"(target {mount['target']})."
+                )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def _network(self) -> bool:
+        return bool(self._network_policy.network_mode != NetworkMode.NO_NETWORK)
+
+    def _hidden_paths(self) -> list[Path]:
+        """Host paths no sandbox may see, wherever they are."""
+        return [self._state_root, self._cache.root, self.environment_dir.parent,
+                self.trial_paths.trial_dir.parent, Path.cwd(), Path(sys.prefix),
+                Path(__file__).resolve().parents[2]]
+
+    async def start(self, force_build: bool) -> None:
+        """Build the image if no trial did yet (or ``force_build``), then start the
+        trial's sandbox and the image's ``ENTRYPOINT``.
+
+        Raises :class:`SandboxUnavailableError` when this machine cannot do it, and
+        a ``BuildError`` naming the failed Dockerfile step. If cancelled meanwhile, the
+        half-started sandbox and its directory are removed.
+        """
+        if self._sandbox is not None:
+            raise RuntimeError(f"environment {self.session_id} is already started")
+        reason = missing_tools()
+        if reason is not None:
+            raise unavailable(reason)
+        await asyncio.to_thread(remove_stale_states, self._state_root)
+        host = await asyncio.to_thread(host_layers, self._cache.root, self._hidden_paths())
+        image: Image | None = None
+        state: StateDir | None = None
+        try:
+            if (self.environment_dir / "Dockerfile").is_file():
+                if force_build:
+                    self.logger.debug("force_build: the cached image is reused; prune the "
+                                      "cache (wmo-trio sandbox prune) to rebuild it")
+                image = await self._build_image(host)
+                self._config = image.config
+            elif self.task_env_config.docker_image:
+                self.logger.debug("docker_image %s: the host's userland stands in for it",
+                                  self.task_env_config.docker_image)
+            state = await asyncio.to_thread(StateDir.create, self._state_root, self.session_id)
+            hostname = hashlib.sha256(self.session_id.encode()).hexdigest()[:12]
+            etc = {"hostname": f"{hostname}\n",
+                   "hosts": f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+                            f"127.0.1.1\t{hostname}\n"}
+            if self._network:
+                etc["resolv.conf"] = "nameserver 10.0.2.3\n"
+            binds = await asyncio.to_thread(self._binds)
+            self._sandbox = await Sandbox.launch(
+                state=state, host=host, image_layer=image.layer if image else None,
+                network=self._network, hostname=hostname, binds=binds, etc_files=etc,
+            )
+            self._image = image
+            await self._prepare()
+        except BaseException:
+            sandbox, self._sandbox = self._sandbox, None
+            if sandbox is not None:
+                await sandbox.stop()
+            if state is not None:
+                await asyncio.to_thread(state.remove)
+            if image is not None:
+                image.release()
+            self._image = None
+            raise
+        await self._upload_environment_dir_after_start()
+
+    async def _build_image(self, host: Any) -> Image:
+        log_path = self.trial_paths.trial_dir / BUILD_LOG
+        log = await asyncio.to_thread(log_path.open, "w")
+        with log:
+            try:
+                return await self._cache.ensure(
+                    self.environment_dir, host, task_name=self.environment_name,
+                    build_args=self._build_args,
+                    build_timeout_sec=self.task_env_config.build_timeout_sec, log=log,
+                )
+            except TimeoutError:
+                raise RuntimeError(
+                    f"building the image of {self.environment_name} took longer than its "
+                    f"build_timeout_sec ({self.task_env_config.build_timeout_sec:g} s)"
+                ) from None
+            except DockerfileError as error:
+                raise ValueError(f"{self.environment_dir / 'Dockerfile'}: {error}") from None
+            finally:
+                if log.tell() == 0:
+                    log_path.unlink(missing_ok=True)
+
+    def _binds(self) -> list[Bind]:
+        binds = []
+        for mount in self._host_mounts:
+            source = Path(mount["source"])
+            if not source.exists():
+                if mount.get("bind", {}).get("create_host_path") is False:
+                    raise FileNotFoundError(f"bind mount source {source} does not exist")
+                source.mkdir(parents=True, exist_ok=True)
+            binds.append(Bind(str(source.resolve()), mount["target"],
+                              bool(mount.get("read_only"))))
+        return binds
+
+    @property
+    def _default_workdir(self) -> str:
+        return self.task_env_config.workdir or self._config.workdir or "/"
+
+    async def _prepare(self) -> None:
+        """Create the working directory and world-writable mount targets (as Docker's
+        start does), pick the shell, start the ENTRYPOINT."""
+        sandbox = self._require_sandbox()
+        writable = set(self._mount_targets(writable_only=True))
+        script = ('mkdir -p -- "$1"; shift; for d; do mkdir -p -- "$d" && chmod 777 -- "$d"; '
+                  'done; if [ -x /bin/bash ]; then echo bash; else echo sh; fi')
+        completed = await sandbox.channel.run(
+            ["sh", "-c", script, "sh", self._default_workdir,
+             *[t for t in self._mount_targets() if t in writable]],
+            env={"PATH": DEFAULT_PATH}, cwd="/",
+        )
+        self._shell = completed.stdout.decode().strip() or "sh"
+        entrypoint = self._config.entrypoint
+        if entrypoint:
+            shell = self._config.shell
+            shell_form = entrypoint[: len(shell)] == shell and len(entrypoint) == len(shell) + 1
+            argv = entrypoint if shell_form else entrypoint + KEEPALIVE
+            log = (self.trial_paths.trial_dir / ENTRYPOINT_LOG).open("ab")
+            self._entrypoint_task = asyncio.get_running_loop().create_task(
+                self._run_entrypoint(argv, log)
+            )
+
+    async def _run_entrypoint(self, argv: list[str], log: Any) -> None:
+        """The container's main process: it runs until the trial stops."""
+        try:
+            with log:
+                completed = await self._require_sandbox().channel.run(
+                    argv, env=self._base_env(), cwd=self._config.workdir or "/",
+                    user=self._config.user, stdout=log, output_limit=64 << 10,
+                )
+                log.write(completed.stderr)
+                self.logger.debug("the ENTRYPOINT exited with %d", completed.return_code)
+        except Exception as error:  # the trial goes on, as a container whose main process died
+            self.logger.warning("the ENTRYPOINT failed: %s", error)
+
+    async def stop(self, delete: bool) -> None:
+        """End every process of the trial; remove its upper directories unless
+        ``delete`` is false, in which case they are kept for inspection.
+
+        Safe to call twice or without ``start``.
+        """
+        sandbox, self._sandbox = self._sandbox, None
+        image, self._image = self._image, None
+        if sandbox is None:
+            return
+        try:
+            await sandbox.stop()
+            task, self._entrypoint_task = self._entrypoint_task, None
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if delete:
+                await asyncio.to_thread(sandbox.state.remove)
+            else:
+                kept = await asyncio.to_thread(_keep, sandbox.state)
+                self.logger.info("Kept the trial's filesystem changes in %s", kept)
+        finally:
+            if image is not None:
+                image.release()
+
+    def _require_sandbox(self) -> Sandbox:
+        if self._sandbox is None:
+            raise RuntimeError(f"environment {self.session_id} is not started")
+        return self._sandbox
+
+    # ------------------------------------------------------------------ exec
+
+    def _base_env(self) -> dict[str, str]:
+        return {"PATH": DEFAULT_PATH, **self._config.env}
+
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        """Run ``command`` with bash (sh if the image has no bash) inside the trial.
+
+        ``cwd`` defaults to the task's workdir; ``env`` is merged over the image's
+        ``ENV`` and harbor's persistent and scoped variables; ``user`` (name, uid, or
+        ``name:group``) defaults to harbor's default user, else the image's ``USER``,
+        else root. Output keeps its head and tail, 4 MiB a stream at most; a cut is
+        said at the end of stderr.
+
+        On timeout every process the command started is killed and
+        ``RuntimeError("Command timed out after N seconds")`` is raised, as harbor's
+        Docker environment does. If cancelled, the same processes are killed before
+        the cancellation propagates.
+        """
+        sandbox = self._require_sandbox()
+        variables = self._base_env()
+        variables.update(self._merge_env(env) or {})
+        for key in variables:
+            if not key or "=" in key or "\0" in key + variables[key]:
+                raise ValueError(f"invalid environment variable {key!r}")
+        spec = self._resolve_user(user)
+        try:
+            completed = await sandbox.channel.run(
+                [self._shell, "-c", command], env=variables, cwd=cwd or self._default_workdir,
+                user=spec if spec is not None else self._config.user, timeout_sec=timeout_sec,
+                callback=self._output_callback(),
+            )
+        except SpawnFailed as error:
+            return ExecResult(stdout=None, stderr=str(error), return_code=error.code)
+        except TimeoutError:
+            raise RuntimeError(f"Command timed out after {timeout_sec} seconds") from None
+        return ExecResult(
+            stdout=completed.stdout.decode(errors="replace") if completed.stdout else None,
+            stderr=completed.stderr.decode(errors="replace") if completed.stderr else None,
+            return_code=completed.return_code,
+        )
+
+    # ------------------------------------------------------------------ files
+
+    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
+        """Copy a host file into the trial, owned by root, mode kept. A target that is
+        a directory (or ends with ``/``) receives the file under its own name."""
+        await _transfer.upload_file(self._require_sandbox().channel, Path(source_path),
+                                    target_path)
+
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        """Copy a host directory's contents into ``target_dir`` (created if needed),
+        owned by root, modes kept."""
+        await _transfer.upload_dir(self._require_sandbox().channel, Path(source_dir), target_dir)
+
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        """Copy a file out of the trial; the host copy belongs to harbor's user."""
+        await _transfer.download_file(self._require_sandbox().channel, source_path,
+                                      Path(target_path))
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        """Copy a directory's contents out of the trial into ``target_dir``."""
+        await _transfer.download_dir(self._require_sandbox().channel, source_dir,
+                                     Path(target_dir))
+
+
+def _keep(state: StateDir) -> Path:
+    """Keep a stopped trial's upper directories as ``kept-<name>/`` beside the others,
+    out of reach of the stale-state cleanup, and drop the rest."""
+    kept = state.path.with_name("kept-" + state.path.name)
+    for scratch in ("work", "root", "launch.log"):
+        remove_tree(state.path / scratch)
+    os.rename(state.path, kept)
+    state.path = kept
+    with contextlib.suppress(FileNotFoundError):
+        state.lock_path.unlink()
+    os.close(state.lock_fd)
+    return kept

@@ -1,0 +1,282 @@
+"""The process that runs inside a sandbox as its PID 1 and starts every command there.
+
+It is started by bubblewrap with ``--as-pid-1`` and runs under the image's own Python
+(``python3 -I -S``), so it imports only the standard library and keeps to Python 3.9
+syntax. Its standard input is a ``SOCK_SEQPACKET`` socket to the host; each packet is
+one JSON message, and a ``spawn`` request carries the command's three standard streams
+as file descriptors (``SCM_RIGHTS``), so output never passes through this process.
+
+Requests (host to helper):
+
+- ``{"op": "spawn", "id": N, "argv": [...], "env": {...}, "cwd": "/x", "user": spec,
+  "tag": "..."}`` with three descriptors: stdin, stdout, stderr.
+- ``{"op": "kill", "id": N}``: end every process the command started.
+
+Replies: ``{"op": "ready"}`` once, then per command ``{"id": N, "pid": P}`` or
+``{"id": N, "error": "...", "code": C}``, and ``{"id": N, "exit": status}``.
+
+When the socket closes (the host stopped the trial, or died), the helper exits; the
+kernel then kills every other process of the PID namespace. As PID 1 it cannot be
+killed from inside the sandbox, and it reaps every orphan.
+"""
+
+from __future__ import annotations
+
+import array
+import grp
+import json
+import os
+import pwd
+import select
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+# Set in every command's environment: finds a command's daemons even after they left
+# its session and were re-parented to this process.
+TAG_VARIABLE = "WMO_TRIO_EXEC"
+MAX_MESSAGE = 1 << 20
+# Bounds a kill only for processes the kernel cannot end (stuck in uninterruptible I/O).
+KILL_WAIT_SEC = 20.0
+
+
+class SpawnError(Exception):
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def resolve_user(spec: Any) -> tuple[int, int, list[int], str]:
+    """uid, gid, supplementary groups and home for a harbor user spec (name, uid or
+    ``name:group``), read from this sandbox's own /etc/passwd and /etc/group."""
+    if spec is None or spec == 0 or spec == "root":
+        return 0, 0, [0], "/root"
+    name, _, group = str(spec).partition(":")
+    try:
+        entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+    except KeyError:
+        if not name.isdigit():
+            raise SpawnError(
+                f"unable to find user {spec}: no matching entries in passwd file", 126
+            ) from None
+        uid, gid, groups, home = int(name), 0, [], "/"
+    else:
+        uid, gid, home = entry.pw_uid, entry.pw_gid, entry.pw_dir or "/"
+        groups = os.getgrouplist(entry.pw_name, gid)
+    if group:
+        try:
+            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise SpawnError(
+                f"unable to find group {group}: no matching entries in group file", 126
+            ) from None
+        groups = [gid]
+    return uid, gid, groups, home
+
+
+def spawn(request: dict[str, Any], fds: list[int]) -> int:
+    """Fork and exec the command; its pid. Errors before exec (unknown user, missing
+    directory or program) raise :class:`SpawnError`, as ``docker exec`` reports them."""
+    uid, gid, groups, home = resolve_user(request.get("user"))
+    env = dict(request["env"])
+    env.setdefault("HOME", home)
+    env[TAG_VARIABLE] = request["tag"]
+    argv = request["argv"]
+    report_read, report_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing here may return
+        try:
+            os.close(report_read)
+            os.setsid()
+            for target, source in enumerate(fds):
+                os.dup2(source, target)
+            os.closerange(3, report_write)
+            os.closerange(report_write + 1, 1 << 16)
+            os.set_inheritable(report_write, False)
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
+            try:
+                os.chdir(request["cwd"])
+            except OSError as error:
+                raise SpawnError(f"cannot enter the working directory {request['cwd']}: "
+                                 f"{error.strerror}", 126) from None
+            try:
+                os.execvpe(argv[0], argv, env)
+            except OSError as error:
+                code = 127 if isinstance(error, FileNotFoundError) else 126
+                raise SpawnError(f"cannot run {argv[0]}: {error.strerror}", code) from None
+        except SpawnError as error:
+            os.write(report_write, json.dumps([str(error), error.code]).encode())
+        except BaseException as error:
+            os.write(report_write, json.dumps([f"{type(error).__name__}: {error}", 126]).encode())
+        os._exit(126)
+    os.close(report_write)
+    with os.fdopen(report_read, "rb") as report:
+        failure = report.read()
+    if failure:
+        os.waitpid(pid, 0)
+        message, code = json.loads(failure)
+        raise SpawnError(message, code)
+    return pid
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    return text[text.rindex(b")") + 2 :].decode().split()
+
+
+def processes_of(leader: int, tag: str) -> set[int]:
+    """Live processes a command started: its session and group, their descendants, and
+    every process still carrying its tag."""
+    marker = f"{TAG_VARIABLE}={tag}".encode()
+    parents: dict[int, int] = {}
+    found: set[int] = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or name == "1":
+            continue
+        fields = _stat_fields(int(name))
+        if fields is None or fields[0] in ("Z", "X"):
+            continue
+        pid = int(name)
+        parents[pid] = int(fields[1])
+        if leader in (pid, int(fields[2]), int(fields[3])):
+            found.add(pid)
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as handle:
+                if marker in handle.read().split(b"\0"):
+                    found.add(pid)
+        except OSError:
+            continue
+    pending = list(found)
+    while pending:
+        current = pending.pop()
+        for pid, parent in parents.items():
+            if parent == current and pid not in found:
+                found.add(pid)
+                pending.append(pid)
+    return found
+
+
+def kill_tree(leader: int, tag: str) -> None:
+    """Stop every process of the command before killing any (a shell whose child died
+    first could otherwise run the rest of its script), wait until each has died, and
+    repeat while forks race. Returns once none is left alive, or after KILL_WAIT_SEC."""
+    deadline = time.monotonic() + KILL_WAIT_SEC
+    while time.monotonic() < deadline:
+        victims = processes_of(leader, tag)
+        if not victims:
+            return
+        handles = []
+        for pid in victims:
+            try:
+                handles.append(os.pidfd_open(pid))
+            except ProcessLookupError:
+                pass
+        try:
+            for sig in (signal.SIGSTOP, signal.SIGKILL):
+                for handle in handles:
+                    try:
+                        signal.pidfd_send_signal(handle, sig)
+                    except ProcessLookupError:
+                        pass
+            # A killed process stays alive until it is scheduled to run its exit, which
+            # takes a while on a busy machine; its pidfd turns readable once it has.
+            pending = handles
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                ready, _, _ = select.select(pending, [], [], left)
+                pending = [handle for handle in pending if handle not in ready]
+        finally:
+            for handle in handles:
+                os.close(handle)
+
+
+class Helper:
+    def __init__(self, channel: socket.socket) -> None:
+        self.channel = channel
+        self.running: dict[int, tuple[int, str]] = {}  # pid -> (request id, tag)
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.channel.sendall(json.dumps(message).encode())
+
+    def handle(self, request: dict[str, Any], fds: list[int]) -> None:
+        try:
+            if request["op"] == "spawn":
+                try:
+                    pid = spawn(request, fds)
+                except SpawnError as error:
+                    self.send({"id": request["id"], "error": str(error), "code": error.code})
+                else:
+                    self.running[pid] = (request["id"], request["tag"])
+                    self.send({"id": request["id"], "pid": pid})
+            elif request["op"] == "kill":
+                for pid, (request_id, tag) in list(self.running.items()):
+                    if request_id == request["id"]:
+                        kill_tree(pid, tag)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid in self.running:
+                request_id, _ = self.running.pop(pid)
+                self.send({"id": request_id, "exit": os.waitstatus_to_exitcode(status)})
+
+    def serve(self) -> None:
+        wake_read, wake_write = os.pipe()
+        os.set_blocking(wake_write, False)
+        signal.set_wakeup_fd(wake_write)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.send({"op": "ready"})
+        while True:
+            self.reap()
+            readable, _, _ = select.select([self.channel.fileno(), wake_read], [], [])
+            if wake_read in readable:
+                os.read(wake_read, 4096)
+            if self.channel.fileno() in readable:
+                fds = array.array("i")
+                data, ancillary, _, _ = self.channel.recvmsg(
+                    MAX_MESSAGE, socket.CMSG_SPACE(16 * fds.itemsize)
+                )
+                if not data:
+                    return
+                for level, kind, payload in ancillary:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        usable = len(payload) - len(payload) % fds.itemsize
+                        fds.frombytes(payload[:usable])
+                self.handle(json.loads(data), list(fds))
+
+
+def main() -> None:
+    # Started with the helper's own source on fd 3; the commands must not inherit it.
+    os.closerange(3, 1 << 16)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    channel = socket.socket(fileno=0)
+    try:
+        Helper(channel).serve()
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,470 @@
+"""Building a task's Dockerfile into a cached layer, on the host's userland.
+
+``FROM`` is not pulled: the host's system directories stand in for every base image
+(see :mod:`wmo_trio.sandbox._rootfs`). The other instructions are carried out in a
+sandbox whose writes land in one directory: ``RUN`` runs there with the package
+registries reachable, ``COPY``/``ADD`` unpack build-context files there, and ``ENV``,
+``ARG``, ``WORKDIR``, ``USER``, ``SHELL``, ``ENTRYPOINT`` and ``CMD`` are recorded as
+the image's configuration. The result is cached under the hash of the Dockerfile, its
+build context, the build arguments and the host's layers, and reused by every trial of
+the task; the first trial builds it while the others wait on the image's lock file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import posixpath
+import shlex
+import tarfile
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from wmo_trio.sandbox._dockerfile import (
+    DockerfileError,
+    Instruction,
+    assignments,
+    expand,
+    final_stage,
+    read,
+)
+from wmo_trio.sandbox._namespace import (
+    DEFAULT_PATH,
+    Sandbox,
+    StateDir,
+    remove_stale_states,
+    remove_tree,
+)
+from wmo_trio.sandbox._processes import Channel, SpawnFailed
+from wmo_trio.sandbox._rootfs import HostLayers
+
+__all__ = ["BuildError", "Image", "ImageCache", "ImageConfig", "default_cache_dir"]
+
+FORMAT_VERSION = 1
+LOCK_POLL_SEC = 0.05
+# Written into a build's /etc so that RUN reaches the registries; not part of the image.
+NETWORK_ETC_FILES = {"resolv.conf": "nameserver 10.0.2.3\n"}
+
+
+class BuildError(RuntimeError):
+    """A Dockerfile step failed; the message names the step and shows its last output."""
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "wmo-trio" / "sandbox"
+
+
+# The system's CA bundle. Tools that ship their own roots (uv) are pointed at it, so they
+# trust what apt, curl and pip trust here: a host's egress proxy may re-sign TLS with a CA
+# only the host's store knows.
+SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+def base_env() -> dict[str, str]:
+    """The environment every image starts from, before its Dockerfile's ``ENV``."""
+    # Base images set PATH, so ENV PATH="/x:${PATH}" extends it.
+    env = {"PATH": DEFAULT_PATH}
+    if os.path.isfile(SYSTEM_CA_BUNDLE):
+        env["SSL_CERT_FILE"] = SYSTEM_CA_BUNDLE
+    return env
+
+
+@dataclass
+class ImageConfig:
+    env: dict[str, str] = field(default_factory=base_env)
+    workdir: str | None = None
+    user: str | None = None
+    entrypoint: list[str] | None = None
+    cmd: list[str] | None = None
+    shell: list[str] = field(default_factory=lambda: ["/bin/sh", "-c"])
+
+
+@dataclass(frozen=True)
+class Image:
+    key: str
+    layer: Path
+    config: ImageConfig
+    lock_fd: int  # held shared while a trial uses the image, so prune leaves it alone
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.lock_fd)
+
+
+@dataclass(frozen=True)
+class CachedImage:
+    key: str
+    path: Path
+    task: str
+    size_bytes: int
+    built_at: float
+    in_use: bool
+
+
+def _context_digest(context: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(context.rglob("*")):
+        info = path.lstat()
+        digest.update(f"{path.relative_to(context)}\0{info.st_mode:o}\0".encode())
+        if path.is_file() and not path.is_symlink():
+            with path.open("rb") as handle:
+                while chunk := handle.read(1 << 20):
+                    digest.update(chunk)
+        elif path.is_symlink():
+            digest.update(os.readlink(path).encode())
+    return digest.hexdigest()
+
+
+def image_key(context: Path, build_args: Mapping[str, str], host: HostLayers) -> str:
+    status = Path("/var/lib/dpkg/status")
+    host_state = status.stat().st_mtime_ns if status.exists() else 0
+    # The builder's own source is part of the key: a change to how images are built
+    # must not reuse images built the old way.
+    builder = b"".join(Path(__file__).with_name(name).read_bytes()
+                       for name in ("_image.py", "_dockerfile.py"))
+    material = json.dumps([FORMAT_VERSION, hashlib.sha256(builder).hexdigest(),
+                           sorted(build_args.items()), str(host.skeleton),
+                           host_state, _context_digest(context)])
+    return hashlib.sha256(material.encode()).hexdigest()[:24]
+
+
+async def _lock(fd: int, mode: int) -> None:
+    """flock without blocking the loop; cancellable while it waits."""
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            await asyncio.sleep(LOCK_POLL_SEC)
+
+
+class ImageCache:
+    """Built images under ``root/images/<key>/`` (``layer/`` and ``image.json``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.images = root / "images"
+
+    async def ensure(
+        self,
+        context: Path,
+        host: HostLayers,
+        *,
+        task_name: str,
+        build_args: Mapping[str, str],
+        build_timeout_sec: float | None,
+        log: Any = None,
+    ) -> Image:
+        """The task's image, built now if no trial built it before. Holds the image's
+        lock shared until :meth:`Image.release`. Raises :class:`DockerfileError` for a
+        Dockerfile that cannot be built here, :class:`BuildError` for a failed step."""
+        instructions = final_stage(read(context / "Dockerfile"), build_args)
+        key = await asyncio.to_thread(image_key, context, build_args, host)
+        target = self.images / key
+        self.images.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.images / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            await _lock(fd, fcntl.LOCK_SH)
+            if not (target / "image.json").is_file():
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                await _lock(fd, fcntl.LOCK_EX)
+                if not (target / "image.json").is_file():
+                    async with asyncio.timeout(build_timeout_sec):
+                        await self._build(instructions, context, host, target, task_name,
+                                          build_args, log)
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            config = ImageConfig(**json.loads((target / "image.json").read_text())["config"])
+            os.utime(target / "image.json")  # last use, for prune --older-than
+            return Image(key=key, layer=target / "layer", config=config, lock_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    async def _build(self, instructions: list[Instruction], context: Path, host: HostLayers,
+                     target: Path, task_name: str, build_args: Mapping[str, str],
+                     log: Any) -> None:
+        builds = self.root / "builds"
+        await asyncio.to_thread(remove_stale_states, builds)
+        state = await asyncio.to_thread(StateDir.create, builds, target.name)
+        started = time.time()
+        try:
+            sandbox = await Sandbox.launch(state=state, host=host, image_layer=None, network=True,
+                                           hostname="build", etc_files=NETWORK_ETC_FILES)
+            try:
+                builder = _Builder(sandbox.channel, context, build_args, log)
+                for instruction in instructions:
+                    await builder.step(instruction)
+            finally:
+                await sandbox.stop()
+            for name, text in NETWORK_ETC_FILES.items():
+                written = sandbox.upper / "etc" / name
+                if written.is_file() and written.read_text() == text:
+                    written.unlink()
+            record = {"task": task_name, "built_at": started, "seconds": time.time() - started,
+                      "config": asdict(builder.config)}
+            await asyncio.to_thread(_commit, sandbox.upper, target, record)
+        finally:
+            await asyncio.to_thread(state.remove)
+
+    def entries(self) -> list[CachedImage]:
+        found = []
+        for path in sorted(self.images.glob("*/image.json")):
+            image = path.parent
+            try:
+                meta = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            size = sum(entry.lstat().st_size for entry in image.rglob("*"))
+            found.append(CachedImage(key=image.name, path=image, task=str(meta.get("task", "")),
+                                     size_bytes=size, built_at=path.stat().st_mtime,
+                                     in_use=self._in_use(image.name)))
+        return found
+
+    def _in_use(self, key: str) -> bool:
+        try:
+            fd = os.open(self.images / f"{key}.lock", os.O_RDWR)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    def prune(self, older_than_sec: float | None = None) -> list[CachedImage]:
+        """Remove images no trial uses (last used before ``older_than_sec`` ago, when
+        given) and leftovers of interrupted builds; the removed images."""
+        removed = []
+        remove_stale_states(self.root / "builds")
+        for leftover in self.images.glob(".new-*"):
+            remove_tree(leftover)
+        for image in self.entries():
+            if older_than_sec is not None and time.time() - image.built_at < older_than_sec:
+                continue
+            fd = os.open(self.images / f"{image.key}.lock", os.O_RDWR)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                remove_tree(image.path)
+                (self.images / f"{image.key}.lock").unlink(missing_ok=True)
+                removed.append(image)
+            finally:
+                os.close(fd)
+        for stale in self.root.glob("host/*"):
+            remove_tree(stale)  # rebuilt on next use in a few milliseconds
+        return removed
+
+
+def _commit(layer: Path, target: Path, record: dict[str, Any]) -> None:
+    """Move a finished build's layer and its record into place at once."""
+    staging = Path(tempfile.mkdtemp(prefix=".new-", dir=target.parent))
+    layer.rename(staging / "layer")
+    (staging / "image.json").write_text(json.dumps(record, indent=2))
+    if target.exists():
+        remove_tree(target)
+    staging.rename(target)
+
+
+class _Builder:
+    """Carries out one stage's instructions in a build sandbox."""
+
+    def __init__(self, channel: Channel, context: Path, build_args: Mapping[str, str],
+                 log: Any) -> None:
+        self.channel = channel
+        self.context = context.resolve()
+        self.build_args = dict(build_args)
+        self.args: dict[str, str] = {}
+        self.config = ImageConfig()
+        self.log = log
+
+    @property
+    def variables(self) -> dict[str, str]:
+        return {**self.args, **self.config.env}
+
+    def _env(self) -> dict[str, str]:
+        return {"PATH": DEFAULT_PATH, **self.args, **self.config.env}
+
+    async def _run(self, instruction: Instruction, argv: list[str], *, user: str | None,
+                   cwd: str, stdin: int | None = None) -> str:
+        """Run a command of a step; its stdout on success, a BuildError otherwise."""
+        try:
+            completed = await self.channel.run(argv, env=self._env(), cwd=cwd, user=user,
+                                               stdin=stdin, output_limit=256 << 10)
+        except SpawnFailed as error:
+            raise BuildError(f"Dockerfile {instruction.describe()} failed: {error}") from None
+        output = completed.stdout.decode(errors="replace") + completed.stderr.decode(errors="replace")
+        if self.log is not None:
+            self.log.write(f"# {instruction.describe()}\n{output}")
+            self.log.flush()
+        if completed.return_code != 0:
+            tail = "\n".join(output.strip().splitlines()[-15:])
+            raise BuildError(f"Dockerfile {instruction.describe()} failed with exit code "
+                             f"{completed.return_code}:\n{tail}")
+        return completed.stdout.decode(errors="replace")
+
+    @property
+    def workdir(self) -> str:
+        return self.config.workdir or "/"
+
+    async def step(self, instruction: Instruction) -> None:
+        keyword = instruction.keyword
+        if keyword == "ARG":
+            for name, default in assignments(instruction, self.variables):
+                value = self.build_args.get(name, default)
+                if value is not None:
+                    self.args[name] = value
+        elif keyword == "ENV":
+            for name, value in assignments(instruction, self.variables):
+                self.config.env[name] = value or ""
+        elif keyword == "WORKDIR":
+            path = expand(instruction.argument.strip().strip("\"'"), self.variables)
+            self.config.workdir = posixpath.normpath(posixpath.join(self.workdir, path))
+            # As BuildKit does, a WORKDIR made now belongs to the current USER.
+            script = ('[ -d "$1" ] && exit 0; mkdir -p -- "$1" || exit 1; '
+                      '[ -z "$2" ] || chown -- "$2" "$1"')
+            await self._run(instruction, ["sh", "-c", script, "sh", self.config.workdir,
+                                          self.config.user or ""], user=None, cwd="/")
+        elif keyword == "USER":
+            self.config.user = expand(instruction.argument.strip(), self.variables) or None
+        elif keyword == "SHELL":
+            shell = instruction.json_list()
+            if not shell:
+                raise DockerfileError(f"{instruction.describe()}: SHELL needs a JSON array")
+            self.config.shell = shell
+        elif keyword in ("ENTRYPOINT", "CMD"):
+            command = instruction.json_list()
+            if command is None:
+                command = [*self.config.shell, instruction.argument]
+            if keyword == "ENTRYPOINT":
+                self.config.entrypoint = command or None
+                self.config.cmd = None  # Docker resets CMD with a new ENTRYPOINT
+            else:
+                self.config.cmd = command
+        elif keyword == "RUN":
+            await self._run(instruction, self._run_argv(instruction), user=self.config.user,
+                            cwd=self.workdir)
+        elif keyword in ("COPY", "ADD"):
+            await self._copy(instruction)
+
+    def _run_argv(self, instruction: Instruction) -> list[str]:
+        exec_form = instruction.json_list()
+        if exec_form is not None and instruction.heredoc is None:
+            return exec_form
+        script = instruction.argument
+        if instruction.heredoc is not None:
+            script = (instruction.heredoc if not script
+                      else f"{script} <<'WMO_TRIO_HEREDOC'\n{instruction.heredoc}WMO_TRIO_HEREDOC\n")
+        return [*self.config.shell, script]
+
+    async def _owner(self, instruction: Instruction) -> tuple[int, int] | None:
+        spec = expand(instruction.flags.get("chown", ""), self.variables)
+        if not spec:
+            return None
+        user, _, group = spec.partition(":")
+        script = ('u=$1; g=$2; uid=$(id -u -- "$u") || exit 1; '
+                  'if [ -z "$g" ]; then gid=$(id -g -- "$u"); '
+                  'else case $g in *[!0-9]*) gid=$(getent group "$g" | cut -d: -f3);; '
+                  '*) gid=$g;; esac; fi; [ -n "$gid" ] || { echo "no group $g" >&2; exit 1; }; '
+                  'echo "$uid $gid"')
+        if user.isdigit() and (not group or group.isdigit()):
+            return int(user), int(group or user)
+        output = await self._run(instruction, ["sh", "-c", script, "sh", user, group],
+                                 user=None, cwd="/")
+        uid, gid = output.split()
+        return int(uid), int(gid)
+
+    def _sources(self, instruction: Instruction, patterns: list[str]) -> list[Path]:
+        sources: list[Path] = []
+        for pattern in patterns:
+            if "://" in pattern:
+                raise DockerfileError(f"{instruction.describe()}: {instruction.keyword} from a "
+                                      "URL is not supported by the docker-free environment")
+            matches = sorted(glob.glob(str(self.context / pattern.lstrip("/")))) or []
+            if not matches:
+                raise BuildError(f"Dockerfile {instruction.describe()} failed: {pattern} is not "
+                                 "in the build context (the task's environment directory)")
+            for match in matches:
+                path = Path(match).resolve()
+                if path != self.context and self.context not in path.parents:
+                    raise BuildError(f"Dockerfile {instruction.describe()} failed: {pattern} "
+                                     "lies outside the build context")
+                sources.append(Path(match))
+        return sources
+
+    async def _copy(self, instruction: Instruction) -> None:
+        words = instruction.json_list()
+        if words is None:
+            try:
+                words = shlex.split(instruction.argument)
+            except ValueError as error:
+                raise DockerfileError(f"{instruction.describe()}: {error}") from None
+        words = [expand(word, self.variables) for word in words]
+        if len(words) < 2:
+            raise DockerfileError(f"{instruction.describe()}: needs a source and a destination")
+        *patterns, destination = words
+        sources = self._sources(instruction, patterns)
+        destination = posixpath.join(self.workdir, destination)
+        as_directory = (destination.endswith("/") or len(sources) > 1
+                        or any(source.is_dir() for source in sources))
+        if not as_directory:
+            probe = await self.channel.run(["test", "-d", destination], env=self._env(), cwd="/")
+            as_directory = probe.return_code == 0
+        destination = posixpath.normpath(destination)
+        owner = await self._owner(instruction)
+        mode = instruction.flags.get("chmod")
+        chmod = int(mode, 8) if mode else None
+        archives = [s for s in sources if instruction.keyword == "ADD" and s.is_file()
+                    and tarfile.is_tarfile(s)]
+        with tempfile.TemporaryFile() as bundle:
+            await asyncio.to_thread(_pack, bundle, [s for s in sources if s not in archives],
+                                    destination, as_directory, owner, chmod)
+            bundle.seek(0)
+            await self._run(instruction, ["tar", "-x", "-p", "--numeric-owner",
+                                          "--no-overwrite-dir", "-f", "-", "-C", "/"],
+                            user=None, cwd="/", stdin=bundle.fileno())
+        for archive in archives:
+            with archive.open("rb") as handle:
+                await self._run(instruction, ["sh", "-c", 'mkdir -p -- "$1" && exec tar -x -f - -C "$1"',
+                                              "sh", destination], user=None, cwd="/",
+                                stdin=handle.fileno())
+
+
+def _pack(bundle: Any, sources: list[Path], destination: str, as_directory: bool,
+          owner: tuple[int, int] | None, chmod: int | None) -> None:
+    """A tar of the sources placed as COPY places them, owned by ``owner`` (root if None)."""
+
+    def placed(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid, info.gid = owner or (0, 0)
+        info.uname = info.gname = ""
+        if chmod is not None and not info.issym():
+            info.mode = chmod
+        return info
+
+    with tarfile.open(fileobj=bundle, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        base = destination.lstrip("/")
+        if as_directory and base:
+            info = tarfile.TarInfo(base)
+            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, int(time.time())
+            tar.addfile(placed(info) if owner else info)
+        for source in sources:
+            if source.is_dir() and not source.is_symlink():
+                for path in sorted(source.rglob("*")):
+                    name = posixpath.join(base, path.relative_to(source).as_posix())
+                    tar.add(path, arcname=name, recursive=False, filter=placed)
+            else:
+                name = posixpath.join(base, source.name) if as_directory else base
+                tar.add(source, arcname=name, recursive=False, filter=placed)

@@ -1,0 +1,439 @@
+"""A sandbox's lifecycle: its private state directory, its overlay root, the bubblewrap
+namespace around it, its user-mode network, and its removal.
+
+``util-linux``'s ``unshare`` gives the launch a private mount namespace in which the
+overlays are mounted (bubblewrap 0.8 has no overlay option), so no mount is ever visible
+on the host and all of them vanish with the sandbox's last process. bubblewrap then
+pivots into that root with fresh PID, IPC, UTS, network and cgroup namespaces, a new
+``/proc`` (``/proc/sys`` and ``/proc/sysrq-trigger`` read-only), a minimal ``/dev``, an empty environment and
+Docker's default capabilities less ``CAP_MKNOD``; the helper runs there as PID 1. With
+``--die-with-parent`` the whole sandbox is killed when the process that started it dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import tempfile
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from wmo_trio.sandbox._processes import Channel, wait_readable
+from wmo_trio.sandbox._rootfs import HostLayers
+
+__all__ = ["Bind", "Sandbox", "SandboxUnavailableError", "StateDir", "remove_stale_states"]
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Bounds a hang only: a start takes milliseconds, but seconds on a saturated machine.
+START_TIMEOUT_SEC = 120.0
+STOP_TIMEOUT_SEC = 10.0
+LAUNCH_ATTEMPTS = 3
+HELPER = Path(__file__).with_name("_helper.py")
+# Docker's default capability set, less CAP_MKNOD: without a device cgroup, a device
+# node made inside could open the host's disks.
+CAPABILITIES = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_NET_RAW",
+                "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP",
+                "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE")
+PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/fs")
+_UNSAFE_OVERLAY_PATH = re.compile(r"[,:\\\s]")
+
+
+class SandboxUnavailableError(RuntimeError):
+    """This machine cannot run the docker-free environment; the message says what is
+    missing and what to do."""
+
+
+def unavailable(reason: str) -> SandboxUnavailableError:
+    return SandboxUnavailableError(
+        f"LocalEnvironment cannot run on this machine: {reason}. It needs Linux, root, "
+        "overlayfs, util-linux (unshare, mount), bubblewrap and slirp4netns "
+        "(`make test` installs the last two with apt-get). "
+        "Use harbor's Docker environment instead (-e docker)."
+    )
+
+
+def missing_tools() -> str | None:
+    """Why this machine cannot host a sandbox, or None."""
+    if not os.path.isdir("/proc/self"):
+        return "/proc is not mounted"
+    if os.uname().sysname != "Linux":
+        return f"it runs on {os.uname().sysname}, not Linux"
+    if os.geteuid() != 0:
+        return "it runs as root only (it mounts overlays), and this process is not root"
+    missing = [tool for tool in ("unshare", "mount", "bwrap", "slirp4netns", "tar")
+               if shutil.which(tool) is None]
+    if missing:
+        return "missing " + ", ".join(missing) + " on PATH"
+    return None
+
+
+@dataclass(frozen=True)
+class Bind:
+    source: str
+    target: str
+    read_only: bool = False
+
+
+@dataclass
+class StateDir:
+    """A sandbox's private directory on the host, kept while its lock file is locked.
+
+    The lock (``<name>.lock`` beside the directory) is held by the process that owns
+    the sandbox and by the sandbox itself; once all of them are gone, any later start
+    may remove the directory (:func:`remove_stale_states`).
+    """
+
+    path: Path
+    lock_path: Path
+    lock_fd: int
+
+    @classmethod
+    def create(cls, root: Path, name: str) -> StateDir:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        prefix = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:60]
+        while True:
+            path = root / f"{prefix}.{uuid.uuid4().hex[:10]}"
+            lock_path = path.with_name(path.name + ".lock")
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            # A cleaner may have taken the lock file between its creation and our lock.
+            if _same_file(fd, lock_path):
+                break
+            os.close(fd)
+        path.mkdir(mode=0o700)
+        return cls(path, lock_path, fd)
+
+    def remove(self) -> None:
+        remove_tree(self.path)
+        with contextlib.suppress(FileNotFoundError):
+            self.lock_path.unlink()
+        os.close(self.lock_fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        held, named = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+
+
+def remove_stale_states(root: Path) -> list[Path]:
+    """Remove state directories whose owners all died (e.g. a SIGKILLed harbor); safe
+    while other jobs run, since live sandboxes hold their locks."""
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    for lock_path in root.glob("*.lock"):
+        try:
+            fd = os.open(lock_path, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            if not _same_file(fd, lock_path):
+                continue
+            directory = lock_path.with_suffix("")
+            remove_tree(directory)
+            lock_path.unlink()
+            removed.append(directory)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def remove_tree(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        def make_writable(function: object, failed: str, _: BaseException) -> None:
+            # Overlay leaves mode-000 directories in its work directory.
+            os.chmod(failed, 0o700)
+            with contextlib.suppress(OSError):
+                os.chmod(os.path.dirname(failed), 0o700)
+            shutil.rmtree(failed) if os.path.isdir(failed) else os.unlink(failed)
+
+        shutil.rmtree(path, onexc=make_writable)
+
+
+def _overlay_options(lower: Sequence[str], upper: Path, work: Path) -> str:
+    for path in [*lower, str(upper), str(work)]:
+        if _UNSAFE_OVERLAY_PATH.search(path):
+            raise unavailable(f"the path {path} holds a character overlayfs options cannot "
+                              "carry (comma, colon, backslash or space); choose other "
+                              "state_dir and cache_dir")
+    return f"lowerdir={':'.join(lower)},upperdir={upper},workdir={work}"
+
+
+@dataclass
+class Sandbox:
+    """A running sandbox: bubblewrap, its helper, and its network stack."""
+
+    process: asyncio.subprocess.Process
+    channel: Channel
+    helper_pid: int
+    state: StateDir
+    network: asyncio.subprocess.Process | None = None
+    network_exit_fd: int | None = None
+    stopped: bool = field(default=False)
+
+    @property
+    def upper(self) -> Path:
+        """Where everything the sandbox wrote is: one directory per overlay."""
+        return self.state.path / "upper"
+
+    @classmethod
+    async def launch(cls, **options: Any) -> Sandbox:
+        """Start a sandbox (see :meth:`_launch`). bubblewrap 0.8 now and then fails to
+        give a new network namespace its loopback address (the kernel answers ECHILD
+        under concurrent starts); such a start is tried again."""
+        for attempt in range(LAUNCH_ATTEMPTS):
+            try:
+                return await cls._launch(**options)
+            except SandboxUnavailableError as error:
+                if "bwrap: loopback:" not in str(error) or attempt == LAUNCH_ATTEMPTS - 1:
+                    raise
+                for scratch in ("upper", "work", "root"):
+                    await asyncio.to_thread(remove_tree, options["state"].path / scratch)
+        raise AssertionError("unreachable")
+
+    @classmethod
+    async def _launch(
+        cls,
+        *,
+        state: StateDir,
+        host: HostLayers,
+        image_layer: Path | None,
+        network: bool,
+        hostname: str,
+        binds: Sequence[Bind] = (),
+        etc_files: dict[str, str] | None = None,
+    ) -> Sandbox:
+        """Mount the root in ``state``, start bubblewrap and its helper there and, with
+        ``network``, a slirp4netns stack for its network namespace.
+
+        If this fails or is cancelled, whatever was started is stopped again; the state
+        directory is the caller's to remove.
+        """
+        reason = missing_tools()
+        if reason is not None:
+            raise unavailable(reason)
+        root = state.path / "root"
+        mounts = await asyncio.to_thread(_prepare_root, state, host, image_layer, binds,
+                                         etc_files or {})
+        helper_fd = os.open(HELPER, os.O_RDONLY)
+        info_read, info_write = os.pipe()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        bwrap = [
+            "bwrap", "--bind", str(root), "/", "--proc", "/proc", "--dev", "/dev",
+            "--tmpfs", "/dev/shm", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+            "--unshare-net", "--unshare-cgroup", "--hostname", hostname, "--die-with-parent",
+            "--as-pid-1", "--clearenv", "--setenv", "PATH", DEFAULT_PATH,
+            "--info-fd", str(info_write), "--cap-drop", "ALL",
+        ]
+        for path in PROC_READ_ONLY:
+            # Root may write most sysctls with no capability at all: as Docker does,
+            # these stay read-only (bubblewrap covers /proc/irq and /proc/bus).
+            bwrap += ["--ro-bind-try", path, path]
+        for capability in CAPABILITIES:
+            bwrap += ["--cap-add", capability]
+        for bind in binds:
+            bwrap += ["--ro-bind" if bind.read_only else "--bind", bind.source, bind.target]
+        bwrap += ["python3", "-I", "-S", f"/proc/self/fd/{helper_fd}"]
+        script = " && ".join([*mounts, "exec " + " ".join(_quote(word) for word in bwrap)])
+        log = os.open(state.path / "launch.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        process: asyncio.subprocess.Process | None = None
+        channel: Channel | None = None
+        sandbox: Sandbox | None = None
+        try:
+            process = await asyncio.create_subprocess_exec(
+                "unshare", "--mount", "--propagation", "private", "sh", "-c", script,
+                stdin=theirs.fileno(), stdout=asyncio.subprocess.DEVNULL, stderr=log,
+                pass_fds=(helper_fd, info_write, state.lock_fd),
+                # Its own session: a Ctrl-C at harbor's terminal must not end the
+                # sandbox before harbor's own shutdown stops it.
+                start_new_session=True, env={"PATH": DEFAULT_PATH},
+            )
+            for fd in (helper_fd, info_write):
+                os.close(fd)
+            helper_fd = info_write = -1
+            theirs.close()
+            channel = Channel(ours)
+            helper_pid = await _read_child_pid(info_read, process, state)
+            sandbox = cls(process=process, channel=channel, helper_pid=helper_pid, state=state)
+            if network:
+                await sandbox._start_network()
+            try:
+                async with asyncio.timeout(START_TIMEOUT_SEC):
+                    await channel.wait_ready()
+            except TimeoutError:
+                raise unavailable(
+                    f"the sandbox was not ready within {START_TIMEOUT_SEC:g} s") from None
+            except RuntimeError:
+                raise unavailable(await _launch_failure(process, state)) from None
+            return sandbox
+        except BaseException:
+            if sandbox is not None:
+                await sandbox.stop()
+            else:
+                if channel is not None:
+                    await channel.close()
+                else:
+                    ours.close()
+                if process is not None:
+                    await _end(process)
+            raise
+        finally:
+            os.close(log)
+            theirs.close()
+            for fd in (helper_fd, info_write, info_read):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+
+    async def _start_network(self) -> None:
+        ready_read, ready_write = os.pipe()
+        exit_read, exit_write = os.pipe()
+        try:
+            self.network = await asyncio.create_subprocess_exec(
+                "slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
+                f"--ready-fd={ready_write}", f"--exit-fd={exit_read}",
+                str(self.helper_pid), "tap0",
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE, pass_fds=(ready_write, exit_read),
+                start_new_session=True,
+            )
+            self.network_exit_fd = exit_write
+            exit_write = -1
+        finally:
+            os.close(ready_write)
+            os.close(exit_read)
+            if exit_write >= 0:
+                os.close(exit_write)
+        try:
+            ready = await _read_all(ready_read, limit=16)
+        finally:
+            os.close(ready_read)
+        if not ready:
+            assert self.network is not None and self.network.stderr is not None
+            detail = (await self.network.stderr.read()).decode(errors="replace").strip()
+            raise unavailable(f"slirp4netns could not give the sandbox a network: "
+                              f"{detail.splitlines()[-1] if detail else 'it exited'}")
+
+    async def stop(self) -> None:
+        """End every process of the sandbox (closing the helper's socket ends its PID
+        namespace) and its network stack. Its state directory is left to the caller."""
+        if self.stopped:
+            return
+        self.stopped = True
+        await self.channel.close()
+        await _end(self.process)
+        if self.network_exit_fd is not None:
+            os.close(self.network_exit_fd)
+            self.network_exit_fd = None
+        if self.network is not None:
+            await _end(self.network)
+
+
+def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
+                  binds: Sequence[Bind], etc_files: dict[str, str]) -> list[str]:
+    """Make the state's upper, work and mount-point directories; the mount commands."""
+    upper, work, root = state.path / "upper", state.path / "work", state.path / "root"
+    mounts = []
+    for name in ("", *host.system):
+        (upper / (name or "_root")).mkdir(parents=True, exist_ok=True)
+        (work / (name or "_root")).mkdir(parents=True, exist_ok=True)
+        if name:
+            lower = host.lower_dirs(name)
+            if image_layer is not None and (image_layer / name).is_dir():
+                lower.insert(0, str(image_layer / name))
+        else:
+            lower = [str(host.skeleton)]
+            if image_layer is not None:
+                lower.insert(0, str(image_layer / "_root"))
+        options = _overlay_options(lower, upper / (name or "_root"), work / (name or "_root"))
+        mounts.append(f"mount -t overlay -o {options},nodev overlay {root}/{name}")
+    root.mkdir(exist_ok=True)
+    for bind in binds:
+        # bubblewrap makes missing mount points mode 0700; Docker makes them 0755.
+        top = bind.target.strip("/").split("/")[0]
+        if top and top not in host.system:
+            target = upper / "_root" / bind.target.strip("/")
+            target.mkdir(mode=0o755, parents=True, exist_ok=True)
+    for relative, text in etc_files.items():
+        target = upper / "etc" / relative
+        target.write_text(text)
+    return mounts
+
+
+def _quote(word: str) -> str:
+    if re.fullmatch(r"[A-Za-z0-9_./:=@%+-]+", word):
+        return word
+    return "'" + word.replace("'", "'\"'\"'") + "'"
+
+
+async def _read_all(fd: int, limit: int) -> bytes:
+    """Read a pipe until EOF (at most ``limit`` bytes) without blocking the loop."""
+    os.set_blocking(fd, False)
+    data = b""
+    while len(data) < limit:
+        try:
+            chunk = os.read(fd, limit - len(data))
+        except BlockingIOError:
+            await wait_readable(fd)
+            continue
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+async def _read_child_pid(info_read: int, process: asyncio.subprocess.Process,
+                          state: StateDir) -> int:
+    try:
+        async with asyncio.timeout(START_TIMEOUT_SEC):
+            info = await _read_all(info_read, limit=1 << 16)
+    except TimeoutError:
+        raise unavailable(f"the sandbox did not start within {START_TIMEOUT_SEC:g} s") from None
+    try:
+        return int(json.loads(info)["child-pid"])
+    except (ValueError, KeyError, TypeError):
+        raise unavailable(await _launch_failure(process, state)) from None
+
+
+async def _launch_failure(process: asyncio.subprocess.Process, state: StateDir) -> str:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(STOP_TIMEOUT_SEC):
+            await process.wait()
+    lines = (state.path / "launch.log").read_text(errors="replace").strip().splitlines()
+    return "the sandbox did not start: " + (lines[-1] if lines else "no error was printed")
+
+
+async def _end(process: asyncio.subprocess.Process) -> None:
+    """Wait for a sandbox process to exit; SIGKILL its process group if it lingers."""
+    try:
+        async with asyncio.timeout(STOP_TIMEOUT_SEC):
+            await process.wait()
+            return
+    except TimeoutError:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    await process.wait()
+
+
+def default_state_root() -> Path:
+    return Path(tempfile.gettempdir()) / "wmo-trio-sandbox"
