@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 from anthropic_server import AnthropicServer
+
+# harbor's job-end telemetry imports litellm: 3-4 s of CPU per harbor run the tests start.
+os.environ.setdefault("HARBOR_TELEMETRY", "0")
 
 
 @pytest.fixture

@@ -879,7 +879,7 @@ def test_unknown_kwargs_harbor_passes_do_not_break_construction(tmp_path: Path) 
 # =======================================================================================
 
 CONCURRENT_TRIALS = 64
-LATENCY_S = 0.2
+LATENCY_S = 0.5
 CALLS_PER_EPISODE = 3  # the offline policy's hello-file episode: write, read back, submit
 
 
@@ -901,11 +901,16 @@ def test_64_concurrent_trials_all_pass(concurrent_job: list[TrialRecord]) -> Non
 
 @pytest.mark.harbor
 def test_64_concurrent_episodes_do_not_wait_for_each_other(concurrent_job: list[TrialRecord]) -> None:
+    # Counted, not timed: how many agent phases were under way at once. Each lasts at least
+    # its three 0.5 s model calls; episodes that waited for one another (one at a time, or a
+    # few at a time behind a small limiter) could never overlap this much.
     phases = [t.phase_seconds("agent_execution") for t in concurrent_job]
-    span = max(end for _, end in phases) - min(start for start, _ in phases)
-    serial = CONCURRENT_TRIALS * CALLS_PER_EPISODE * LATENCY_S  # 38.4 s
-    # Episodes that waited for one another could not all fit in less than `serial`.
-    assert span < serial / 2, f"agent phases spanned {span:.1f} s; one after another takes {serial} s"
+    events = sorted([(start, 1) for start, _ in phases] + [(end, -1) for _, end in phases])
+    running = most = 0
+    for _, change in events:
+        running += change
+        most = max(most, running)
+    assert most >= 8, f"at most {most} of {CONCURRENT_TRIALS} episodes ran at once"
 
 
 # =======================================================================================
