@@ -29,10 +29,10 @@ $(STAMP): pyproject.toml constraints.txt scripts/find-python
 test: $(STAMP) lint
 	$(PY) -m pytest -q
 
-# The edit-and-test loop: everything but harbor trials, soak-like hypothesis schedules and
-# subprocess runs (the `slow` marker), in under a minute.
+# The edit-and-test loop: everything but harbor trials, soak-like hypothesis schedules,
+# sandboxes and subprocess runs (the `slow` marker), on both cores, in under a minute.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n 2
 
 # Branch coverage of wmo_trio over the whole suite, subprocesses included; the report is
 # printed and written to coverage-html/.

@@ -35,10 +35,13 @@ HOST_PATHS = (Path("/app"), Path("/logs"), Path("/tests"))
 # a bound on a hang, far above what the busiest machine needs.
 WAIT_BOUND_SEC = 60.0
 
-pytestmark = pytest.mark.skipif(
-    sys.platform != "linux" or shutil.which("unshare") is None or os.geteuid() != 0,
-    reason="LocalEnvironment is exercised here as root on Linux",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        sys.platform != "linux" or shutil.which("unshare") is None or os.geteuid() != 0,
+        reason="LocalEnvironment is exercised here as root on Linux",
+    ),
+    pytest.mark.slow,  # real sandboxes: processes, namespaces, image builds
+]
 
 
 # ---------------------------------------------------------------------- helpers
