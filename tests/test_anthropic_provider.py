@@ -697,3 +697,22 @@ def test_a_recorded_episode_replays_the_same(anthropic_server: AnthropicServer,
     assert replayed.worker_usage == recorded.worker_usage
     assert [step.observation.is_error for step in recorded.steps] == [True, False, False]
     assert len(anthropic_server.requests) == 4
+
+
+def test_a_lone_surrogate_in_a_reply_becomes_a_replacement_character(
+        anthropic_server: AnthropicServer, provider: AnthropicProvider) -> None:
+    # As the openai provider does: such a string could not be sent back, recorded or traced.
+    anthropic_server.enqueue(api.message([api.text_block("half \ud800 pair"),
+                                          api.tool_use_block("bash", {"command": "echo \udc00"})],
+                                         stop_reason="tool_use"))
+    response = provider.complete(request(), CallControl())
+    assert response.text == "half \ufffd pair"
+    assert response.tool_calls[0].arguments == {"command": "echo \ufffd"}
+
+
+def test_a_reply_without_usage_counts_no_tokens(anthropic_server: AnthropicServer,
+                                                provider: AnthropicProvider) -> None:
+    reply = api.text("ok")
+    body = {key: value for key, value in dict(reply.body or {}).items() if key != "usage"}
+    anthropic_server.enqueue(api.Reply(200, body))
+    assert provider.complete(request(), CallControl()).usage == TokenUsage(calls=1)

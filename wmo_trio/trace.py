@@ -29,8 +29,8 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict
 
 from wmo_trio.episode.log import EpisodeLog
-from wmo_trio.episode.tools import valid_text
 from wmo_trio.models import RunResult, Step, TokenUsage, count_tool_steps
+from wmo_trio.text import valid_text
 
 TRACE_FILENAME = "wmo-run.json"
 CANCELLED_BY_HARBOR_TIMEOUT = "cancelled-by-harbor-timeout"

@@ -35,11 +35,11 @@ from wmo_trio.episode.tools import (
     is_environment_tool,
     tool_spec,
     unavailable,
-    valid_text,
 )
 from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import Action, ActionKind, Observation, StopReason
 from wmo_trio.providers.base import Message, Provider, ProviderError, ProviderRequest, ProviderResponse
+from wmo_trio.text import valid_text
 
 Mode = Literal["loop", "code"]
 

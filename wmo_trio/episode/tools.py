@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import functools
-import re
 
 from wmo_trio.harness import ENVIRONMENT_TOOLS
 from wmo_trio.models import Observation
 from wmo_trio.providers.base import ToolSpec
+from wmo_trio.text import valid_text
 
 MAX_OBSERVATION_CHARS = 10_000
 
@@ -89,16 +89,6 @@ def bounded_text(text: str, *, suffix: str = "", limit: int = MAX_OBSERVATION_CH
     result = text[:head] + _cut_marker(cut) + (text[len(text) - tail:] if tail else "") + suffix
     assert len(result) <= limit
     return result
-
-
-_UNPAIRED_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def valid_text(text: str) -> str:
-    """`text` with every unpaired surrogate (output an environment decoded with
-    surrogateescape, a model's JSON escapes) replaced by U+FFFD, as `decode_output` does
-    for invalid bytes, so that it can be sent to a model and written as UTF-8."""
-    return _UNPAIRED_SURROGATE.sub("\ufffd", text)
 
 
 def command_observation(stdout: str, stderr: str, return_code: int) -> Observation:

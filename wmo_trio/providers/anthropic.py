@@ -54,6 +54,7 @@ from wmo_trio.providers.base import (
 from wmo_trio.providers.http import retry_after_seconds, run_clients
 from wmo_trio.providers.retry import is_retryable_status
 from wmo_trio.settings import NonEmptyText, PositiveInt, PositiveSeconds
+from wmo_trio.text import valid_json
 
 if TYPE_CHECKING:
     import anthropic
@@ -169,7 +170,7 @@ class AnthropicProvider:
             timeout = min(timeout, remaining)
         body = self.request_body(request)
         try:
-            message = control.run_async(self._create, body, timeout)
+            content = control.run_async(self._create, body, timeout)
         except CallInterrupted:
             raise ProviderInterrupted("anthropic call cancelled: the episode was interrupted") from None
         except ProviderError:
@@ -179,21 +180,24 @@ class AnthropicProvider:
             if failure is None:  # not an API failure: a defect, which must stay visible as itself
                 raise
             raise failure from error
-        return self._response(message)
+        return self._response(_message_json(content))
 
-    async def _create(self, body: JsonObject, limit_s: float) -> anthropic.types.Message:
-        """The HTTP exchange, on the trio thread."""
+    async def _create(self, body: JsonObject, limit_s: float) -> bytes:
+        """The HTTP exchange, on the trio thread: the reply's body. It is read into our
+        response in the worker thread, so the trio thread only does the I/O (it serves
+        every episode's calls)."""
         import httpx2
 
-        client = await run_clients().get(self._client_key, self._new_client)
         arguments = {key: value for key, value in body.items() if key in _SDK_ARGUMENTS}
         extra_body = {key: value for key, value in body.items() if key not in _SDK_ARGUMENTS}
         # httpx's timeout bounds each network operation; the scope bounds the whole call.
         with trio.move_on_after(limit_s):
-            message: anthropic.types.Message = await client.messages.create(
-                **arguments, extra_body=extra_body or None,
-                timeout=httpx2.Timeout(limit_s, connect=min(limit_s, _CONNECT_TIMEOUT_S)))
-            return message
+            async with run_clients().lease(self._client_key, self._new_client) as client:
+                raw = await client.messages.with_raw_response.create(
+                    **arguments, extra_body=extra_body or None,
+                    timeout=httpx2.Timeout(limit_s, connect=min(limit_s, _CONNECT_TIMEOUT_S)))
+                content: bytes = raw.http_response.content
+                return content
         raise ProviderError(f"anthropic call: no response within {limit_s:g} s", retryable=True)
 
     def _new_client(self) -> anthropic.AsyncAnthropic:
@@ -301,35 +305,38 @@ class AnthropicProvider:
 
     # -- response mapping ----------------------------------------------------------------
 
-    def _response(self, message: anthropic.types.Message) -> ProviderResponse:
+    def _response(self, message: JsonObject) -> ProviderResponse:
         texts: list[str] = []
         calls: list[ToolCall] = []
         thinking: list[JsonObject] = []
-        for block in message.content:
-            if block.type == "text":
-                texts.append(block.text)
-            elif block.type == "tool_use":
-                calls.append(_tool_call(block.id, block.name, block.input))
-            elif block.type == "thinking":
-                thinking.append({"type": "thinking", "thinking": block.thinking,
-                                 "signature": block.signature})
-            elif block.type == "redacted_thinking":
-                thinking.append({"type": "redacted_thinking", "data": block.data})
+        for block in message.get("content") or []:
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text":
+                texts.append(str(block.get("text", "")))
+            elif kind == "tool_use":
+                calls.append(_tool_call(str(block.get("id", "")), str(block.get("name", "")),
+                                        block.get("input")))
+            elif kind == "thinking":
+                thinking.append({"type": "thinking", "thinking": block.get("thinking", ""),
+                                 "signature": block.get("signature", "")})
+            elif kind == "redacted_thinking":
+                thinking.append({"type": "redacted_thinking", "data": block.get("data", "")})
         if thinking and calls:
             with self._lock:
                 self._thinking_blocks[calls[0].id] = thinking
                 while len(self._thinking_blocks) > _THINKING_TABLE_SIZE:
                     self._thinking_blocks.popitem(last=False)
-        usage = message.usage
-        cache_read = usage.cache_read_input_tokens or 0
-        cache_write = usage.cache_creation_input_tokens or 0
+        usage = message.get("usage") if isinstance(message.get("usage"), dict) else {}
+        assert isinstance(usage, dict)
+        cache_read = _count(usage.get("cache_read_input_tokens"))
+        cache_write = _count(usage.get("cache_creation_input_tokens"))
         return ProviderResponse(
             text="".join(texts),
             tool_calls=calls,
-            finish_reason=_FINISH_REASONS.get(message.stop_reason or "", FinishReason.STOP),
+            finish_reason=_FINISH_REASONS.get(str(message.get("stop_reason") or ""), FinishReason.STOP),
             usage=TokenUsage(
-                input_tokens=usage.input_tokens + cache_read + cache_write,
-                output_tokens=usage.output_tokens,
+                input_tokens=_count(usage.get("input_tokens")) + cache_read + cache_write,
+                output_tokens=_count(usage.get("output_tokens")),
                 cached_input_tokens=cache_read,
                 cache_write_input_tokens=cache_write,
                 calls=1,
@@ -362,6 +369,27 @@ class AnthropicProvider:
         if isinstance(error, anthropic.AnthropicError):
             return ProviderError(f"anthropic SDK error: {type(error).__name__}: {error}")
         return None
+
+
+def _message_json(content: bytes) -> JsonObject:
+    """A reply's body as the API's message object; a body that is not one is a retryable
+    failure (a proxy's error page, a truncated reply)."""
+    try:
+        message = json.loads(content)
+    except ValueError as error:
+        raise ProviderError(f"anthropic call: the reply is not JSON ({error})", retryable=True) from None
+    if not isinstance(message, dict) or message.get("type") != "message":
+        raise ProviderError(f"anthropic call: the reply is not a message: {content[:200]!r}",
+                            retryable=True)
+    if b"\\ud" in content.lower():  # an escaped surrogate: maybe a lone one
+        message = valid_json(message)
+    checked: JsonObject = message
+    return checked
+
+
+def _count(value: object) -> int:
+    """A token count from the reply; anything else (absent, null, negative) counts 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _tool_call(call_id: str, name: str, arguments: object) -> ToolCall:

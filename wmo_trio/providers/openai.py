@@ -66,6 +66,7 @@ from wmo_trio.providers.base import (
 from wmo_trio.providers.http import retry_after_seconds, run_clients
 from wmo_trio.providers.retry import is_retryable_status
 from wmo_trio.settings import NonEmptyText, PositiveInt, PositiveSeconds
+from wmo_trio.text import valid_json, valid_text
 
 if TYPE_CHECKING:
     import openai
@@ -93,7 +94,6 @@ _CONNECT_TIMEOUT_S = 10.0
 # Authorization header is left out of every request.
 _NO_KEY = "no-key"
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _ERROR_DETAIL_CHARS = 300
 
 
@@ -209,7 +209,6 @@ class OpenAIProvider:
         `ChatCompletion`, or whatever a non-JSON body became). SDK errors propagate."""
         import httpx2
 
-        client = await run_clients().get(self._client_key, self._new_client)
         arguments = {key: value for key, value in body.items() if key in _SDK_ARGUMENTS}
         extra_body = {key: value for key, value in body.items() if key not in _SDK_ARGUMENTS}
         if self._api_key is None:
@@ -221,9 +220,10 @@ class OpenAIProvider:
         # httpx's timeout bounds each network operation; the scope bounds the whole call.
         with trio.move_on_after(limit_s):
             try:
-                return await client.chat.completions.create(
-                    **arguments, extra_body=extra_body or None, extra_headers=headers,
-                    timeout=httpx2.Timeout(limit_s, connect=min(limit_s, _CONNECT_TIMEOUT_S)))
+                async with run_clients().lease(self._client_key, self._new_client) as client:
+                    return await client.chat.completions.create(
+                        **arguments, extra_body=extra_body or None, extra_headers=headers,
+                        timeout=httpx2.Timeout(limit_s, connect=min(limit_s, _CONNECT_TIMEOUT_S)))
             except json.JSONDecodeError as error:  # a JSON content type over a broken body
                 raise ProviderError(f"openai-compatible server: the reply is not JSON ({error.msg})",
                                     retryable=True) from None
@@ -298,7 +298,7 @@ class OpenAIProvider:
         finish = _get(choices[0], "finish_reason")
         refusal = _get(message, "refusal")
         if isinstance(refusal, str) and refusal and not text and not calls:
-            text, finish = _scrubbed(refusal), "content_filter"
+            text, finish = valid_text(refusal), "content_filter"
         reason = _FINISH_REASONS.get(finish) if isinstance(finish, str) else None
         if reason is None:
             reason = FinishReason.TOOL_CALLS if calls else FinishReason.STOP
@@ -366,31 +366,12 @@ def _sent_arguments(call: ToolCall) -> str:
 
 def _text(content: object) -> str:
     if isinstance(content, str):
-        return _scrubbed(content)
+        return valid_text(content)
     if isinstance(content, list):  # content parts, from servers that send them back
         parts = (part if isinstance(part, str) else part.get("text") if isinstance(part, dict) else None
                  for part in content)
-        return _scrubbed("".join(part for part in parts if isinstance(part, str)))
+        return valid_text("".join(part for part in parts if isinstance(part, str)))
     return ""
-
-
-def _scrubbed(text: str) -> str:
-    """`text` with every lone surrogate (from a JSON `\\ud800` escape without its pair)
-    replaced by U+FFFD: such a string cannot be encoded, so it would fail the next request,
-    the command it is part of, and a recording."""
-    if _SURROGATE.search(text) is None:
-        return text
-    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-
-
-def _scrubbed_json(value: Any) -> Any:
-    if isinstance(value, str):
-        return _scrubbed(value)
-    if isinstance(value, dict):
-        return {_scrubbed_json(key): _scrubbed_json(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_scrubbed_json(item) for item in value]
-    return value
 
 
 def _tool_calls(raw_calls: object) -> list[ToolCall]:
@@ -407,7 +388,7 @@ def _tool_calls(raw_calls: object) -> list[ToolCall]:
             # same one twice) still gets distinct ids back.
             call_id = f"call_{index}_{os.urandom(6).hex()}"
         seen.add(call_id)
-        calls.append(parse_tool_call(_scrubbed(call_id), _scrubbed(name) if isinstance(name, str) else "",
+        calls.append(parse_tool_call(valid_text(call_id), valid_text(name) if isinstance(name, str) else "",
                                      _get(function, "arguments")))
     return calls
 
@@ -418,16 +399,16 @@ def parse_tool_call(call_id: str, name: str, arguments: object) -> ToolCall:
     if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
         return ToolCall(id=call_id, name=name, arguments={})
     if isinstance(arguments, dict):
-        return ToolCall(id=call_id, name=name, arguments=_scrubbed_json(arguments))
+        return ToolCall(id=call_id, name=name, arguments=valid_json(arguments))
     if not isinstance(arguments, str):
         raw = json.dumps(arguments) if isinstance(arguments, list | int | float | bool) else repr(arguments)
-        raw = _scrubbed(raw)
+        raw = valid_text(raw)
         return ToolCall(id=call_id, name=name, arguments=None, raw_arguments=raw,
                         parse_error="arguments are not a JSON object")
-    arguments = _scrubbed(arguments)
+    arguments = valid_text(arguments)
     # The scripted provider's wording, so that a replayed conversation reads the same.
     try:
-        parsed = _scrubbed_json(json.loads(arguments))
+        parsed = valid_json(json.loads(arguments))
     except json.JSONDecodeError as error:
         return ToolCall(id=call_id, name=name, arguments=None, raw_arguments=arguments,
                         parse_error=f"invalid JSON: {error.msg}")
