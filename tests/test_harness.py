@@ -622,6 +622,31 @@ def test_harness_from_takes_a_document_a_mapping_json_text_or_a_path(tmp_path: P
         harness_from(5)
 
 
+def test_harness_from_parses_one_content_once_and_a_changed_content_anew() -> None:
+    # harbor builds an agent per trial with the same `harness` argument: a mapping or a JSON
+    # text is parsed once, and any change to it is a new document with its own hash.
+    text = EXAMPLE.read_text()
+    mapping = json.loads(text)
+    assert harness_from(mapping) is harness_from(json.loads(text))
+    assert harness_from(text) is harness_from(text)
+    changed = json.loads(text)
+    changed["surfaces"][0]["content"] += " Be brief."
+    assert harness_from(changed) is not harness_from(mapping)
+    assert harness_from(changed).doc_hash != harness_from(mapping).doc_hash
+    broken = json.loads(text)
+    broken["surfaces"] = []
+    for _ in range(2):  # a refusal is not remembered as a document
+        with pytest.raises(HarnessError):
+            harness_from(broken)
+
+
+def test_the_agent_reads_its_model_name_as_a_provider_and_model_without_litellm(
+    tmp_path: Path,
+) -> None:
+    agent = make_agent(tmp_path, load_harness(EXAMPLE))
+    assert (agent._parsed_model_provider, agent._parsed_model_name) == ("scripted", "offline")
+
+
 @pytest.mark.parametrize("value", ["no\x00such.json", "\ud800.json", "x" * 5000])
 def test_harness_from_a_path_that_cannot_exist_is_a_harness_error(value: str) -> None:
     with pytest.raises(HarnessError, match="cannot read harness document"):

@@ -27,7 +27,9 @@ import math
 import os
 import re
 import stat
-from collections.abc import Iterable, Iterator, Mapping, Sized
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -840,6 +842,26 @@ def _expand_user(path: str | os.PathLike[str]) -> Path:
         return Path(path)
 
 
+_PARSED: OrderedDict[str, HarnessDoc] = OrderedDict()
+_PARSED_KEPT = 64
+_PARSED_LOCK = threading.Lock()
+
+
+def _parsed_once(text: str, parse: Callable[[], HarnessDoc]) -> HarnessDoc:
+    """The document of this JSON text, parsed once while it is among the last 64 asked for
+    (a document is immutable, so every caller may share it; a failure is not kept)."""
+    with _PARSED_LOCK:
+        doc = _PARSED.get(text)
+    if doc is not None:
+        return doc
+    doc = parse()
+    with _PARSED_LOCK:
+        _PARSED[text] = doc
+        while len(_PARSED) > _PARSED_KEPT:
+            _PARSED.popitem(last=False)
+    return doc
+
+
 def harness_from(value: object, *, source: str = "the document") -> HarnessDoc:
     """A document from whatever names one: a `HarnessDoc` (returned as is), a mapping of
     its JSON fields, JSON text (a string starting with '{'), or the path of a JSON file.
@@ -848,11 +870,16 @@ def harness_from(value: object, *, source: str = "the document") -> HarnessDoc:
     """
     if isinstance(value, HarnessDoc):
         return value
+    # harbor builds an agent per trial, each with the same argument: a document is parsed
+    # once per content (a mapping by its JSON text), a path once per version of its file.
     if isinstance(value, Mapping):
-        return parse_harness(dict(value), source=source)
+        try:
+            key = json.dumps(value, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError, RecursionError):
+            return parse_harness(dict(value), source=source)  # it says what is wrong
+        return _parsed_once(key, lambda: parse_harness(dict(value), source=source))
     if isinstance(value, str) and value.lstrip().startswith("{"):
-        return parse_harness_json(value, source=f"{source} (JSON text)")
-    # A path is read once per version of the file: harbor builds an agent per trial.
+        return _parsed_once(value, lambda: parse_harness_json(value, source=f"{source} (JSON text)"))
     if isinstance(value, str):
         return parse_file_once(_expand_user(value.strip()), load_harness)
     if isinstance(value, os.PathLike):

@@ -183,6 +183,13 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
     def name() -> str:
         return AGENT_NAME
 
+    def _parse_model_name(self, model_name: str) -> tuple[str | None, str]:
+        """harbor's hook for an agent's model-name policy: ours is `<kind>/<model>` of a
+        wmo_trio provider (checked against `provider_config` already), not a litellm model.
+        harbor's default looks every name up in litellm's tables, a cost paid per trial."""
+        kind, _, model = model_name.partition("/")
+        return kind or None, model
+
     def version(self) -> str:
         return __version__
 
