@@ -118,6 +118,10 @@ def _timestamp(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
+_WITH_DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                        "os.execv(sys.argv[1], sys.argv[1:])")
+
+
 class HarborJob:
     """One harbor job run in a subprocess of its own session (so a hung job is killed with
     every process it started). `start()` returns at once; `trials()` waits for the end."""
@@ -130,8 +134,12 @@ class HarborJob:
         self._trials: list[TrialRecord] | None = None
 
     def start(self) -> HarborJob:
+        # As from a terminal, SIGINT is not ignored: a shell that starts a command in the
+        # background (`make test &`, some CI runners) hands it down ignored, and harbor would
+        # then never see a Ctrl-C.
+        argv = [sys.executable, "-c", _WITH_DEFAULT_SIGINT, *self.argv]
         self._process = subprocess.Popen(
-            self.argv, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+            argv, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
         )

@@ -420,8 +420,13 @@ def _check_trials(schedule: list[TrialPlan], outcomes: list[TrialOutcome],
                 assert outcome.context.metadata is not None, where
                 assert outcome.context.metadata["stop_reason"] == str(trace.stop_reason), where
             elif outcome.ending == "timeout":
-                # cancelled while running, or while cleaning up after finishing on its own
-                assert isinstance(trace, RunResult) or trace.stop_reason == CANCELLED_BY_HARBOR_TIMEOUT, where
+                # cancelled while running, or while cleaning up after finishing on its own: a
+                # result, or the defect its worker raised just before harbor's timeout came
+                # (the trace says how the episode ended; harbor's run() says it timed out)
+                ended_alone = isinstance(trace, RunResult) or (
+                    plan.ending == "base-exception"
+                    and trace.stop_reason == "agent-exception:WorkerDefect")
+                assert ended_alone or trace.stop_reason == CANCELLED_BY_HARBOR_TIMEOUT, where
             else:
                 assert isinstance(trace, PartialTrace), where
                 assert trace.stop_reason == "agent-exception:WorkerDefect", where
