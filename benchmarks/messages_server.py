@@ -1,5 +1,6 @@
-"""A loopback Anthropic Messages API for load: one cheap server process, thousands of
-keep-alive connections, every reply after a fixed delay.
+"""A loopback model API for load, Anthropic's Messages API and OpenAI's Chat Completions
+both: one cheap server process, thousands of keep-alive connections, every reply after a
+fixed delay.
 
     with messages_server.serve(delay_s=2.0, tool_calls=4) as server:
         client = anthropic.Anthropic(base_url=server.base_url, api_key="any")
@@ -11,7 +12,11 @@ process's) on an ephemeral port and returns when it accepts connections. Standal
 Replies script an episode from the request alone, so one server serves every episode at
 once: a request whose `messages` hold k assistant messages gets, for k < tool_calls, a
 `tool_use` block of `bash`, and from then on a `tool_use` block of `submit`. Requests must
-carry an API key (`x-api-key` or `Authorization: Bearer`, any value).
+carry an API key (`x-api-key` or `Authorization: Bearer`, any value). `POST /v1/messages`
+answers in the Messages API's format, `POST /v1/chat/completions` in Chat Completions' (a
+`tool_calls` entry whose `arguments` is JSON text; the turn is the number of `assistant`
+messages either way), and `GET /v1/models` lists one model, as OpenAI-compatible servers do
+(the `openai` provider asks it before a run).
 
 Per request, `x-bench-delay-ms` overrides the delay (the SDK's own cost is measured at
 delay 0 against the same server). `GET /stats` answers counters and the server's own CPU
@@ -41,7 +46,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 DEFAULT_TOOL_CALLS = 4
 # Far above what a benchmark needs, far below what a buggy client could make us buffer.
@@ -175,8 +180,8 @@ class _Connection(asyncio.Protocol):
         server = self._server
         path = target.split("?", 1)[0]
         delay = 0.0
-        if method == "POST" and path == "/v1/messages":
-            status, payload = server.message_reply(headers, body)
+        if method == "POST" and path in _REPLIERS:
+            status, payload = _REPLIERS[path](server, headers, body)
             delay = server.delay_s
             override = headers.get("x-bench-delay-ms")
             if override is not None:
@@ -184,6 +189,9 @@ class _Connection(asyncio.Protocol):
                     delay = max(0.0, float(override) / 1000)
                 except ValueError:
                     status, payload = 400, _error("invalid_request_error", "x-bench-delay-ms: a number")
+        elif method == "GET" and path == "/v1/models":
+            status, payload = 200, {"object": "list", "data": [
+                {"id": "bench", "object": "model", "created": 0, "owned_by": "bench"}]}
         elif method == "GET" and path == "/stats":
             status, payload = 200, server.counters.snapshot()
         elif method == "POST" and path == "/stats/reset":
@@ -245,6 +253,12 @@ def _response(status: int, payload: dict[str, Any], *, close: bool) -> bytes:
     return head.encode("latin-1") + body
 
 
+class _Call(NamedTuple):
+    number: int
+    model: str
+    block: dict[str, Any]  # a Messages API `tool_use` block
+
+
 class _Server:
     def __init__(self, delay_s: float, tool_calls: int) -> None:
         self.delay_s = delay_s
@@ -252,7 +266,8 @@ class _Server:
         self.counters = _Counters()
         self._ids = itertools.count(1)
 
-    def message_reply(self, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
+    def _turn(self, headers: dict[str, str], body: bytes, api: str) -> _Call | tuple[int, dict[str, Any]]:
+        """The turn's tool call, or (status, error payload) for a request we refuse."""
         if "x-api-key" not in headers and not headers.get("authorization", "").startswith("Bearer "):
             return 401, _error("authentication_error", "send an API key (any value)")
         try:
@@ -261,18 +276,46 @@ class _Server:
             turn = sum(1 for m in messages if m.get("role") == "assistant")
             model = str(request.get("model", "bench"))
         except (ValueError, KeyError, TypeError, AttributeError):
-            return 400, _error("invalid_request_error", "the body must be a Messages API request")
+            return 400, _error("invalid_request_error", f"the body must be a {api} request")
         number = next(self._ids)
-        block = scripted_tool_use(turn, self.tool_calls, f"toolu_bench_{number}")
+        block = scripted_tool_use(turn, self.tool_calls, f"call_bench_{number}")
         counters = self.counters
         counters.requests += 1
         counters.tool_uses[block["name"]] = counters.tool_uses.get(block["name"], 0) + 1
+        return _Call(number, model, block)
+
+    def message_reply(self, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
+        """An Anthropic Messages API reply: one `tool_use` block."""
+        turn = self._turn(headers, body, "Messages API")
+        if not isinstance(turn, _Call):
+            return turn
+        number, model, block = turn
         return 200, {
             "id": f"msg_bench_{number}", "type": "message", "role": "assistant", "model": model,
             "content": [block], "stop_reason": "tool_use", "stop_sequence": None,
             "usage": {"input_tokens": len(body) // 4, "output_tokens": 20,
                       "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0},
         }
+
+    def chat_reply(self, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
+        """An OpenAI Chat Completions reply: one tool call, its arguments as JSON text."""
+        turn = self._turn(headers, body, "Chat Completions")
+        if not isinstance(turn, _Call):
+            return turn
+        number, model, block = turn
+        call = {"id": block["id"], "type": "function",
+                "function": {"name": block["name"], "arguments": json.dumps(block["input"])}}
+        prompt = len(body) // 4
+        return 200, {
+            "id": f"chatcmpl-bench-{number}", "object": "chat.completion", "created": 0,
+            "model": model,
+            "choices": [{"index": 0, "finish_reason": "tool_calls",
+                         "message": {"role": "assistant", "content": None, "tool_calls": [call]}}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": 20, "total_tokens": prompt + 20},
+        }
+
+
+_REPLIERS = {"/v1/messages": _Server.message_reply, "/v1/chat/completions": _Server.chat_reply}
 
 
 async def _serve_forever(delay_s: float, tool_calls: int, port: int, watch_parent: bool) -> None:

@@ -21,10 +21,11 @@ baseline) or from `trio.run` + `trio_asyncio.open_loop()`;
 - `research`: `wmo_trio.open_episode_pool` + `fan_out` under `trio.run`, with a trio
   environment.
 
-The same scenario with the scripted provider at the same latencies (no network) is
-`--provider scripted`. wmo_trio is driven only through its public entry points (the
-harbor agent class, the research API), so the scenario measures the code of any later
-design unchanged.
+The same scenario runs with the `openai` provider (the real `openai` SDK against the same
+server's Chat Completions endpoint; the original design has no such agent, so no baseline)
+and with the scripted provider at the same latencies (no network); `--providers` picks.
+wmo_trio is driven only through its public entry points (the harbor agent class, the
+research API), so the scenario measures the code of any later design unchanged.
 
 The burst is everything from launching the trials to the last one finishing: agent
 construction and setup (harbor does both inside each trial) included. One agent is
@@ -59,8 +60,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPLS = ("baseline", "thread", "guest", "trio-asyncio", "research")
-PROVIDERS = ("anthropic", "scripted")
+PROVIDERS = ("anthropic", "openai", "scripted")
 API_KEY_ENV = "WMO_BENCH_ANTHROPIC_KEY"
+OPENAI_KEY_ENV = "WMO_BENCH_OPENAI_KEY"
 MODEL = "claude-bench"
 INSTRUCTION = "Run the four steps of the task with bash, one call each, then submit."
 HARNESS: dict[str, Any] = {"name": "traffic", "surfaces": [
@@ -90,8 +92,13 @@ class Profile:
 
 FULL = Profile(model_s=2.0, command_s=0.5)
 QUICK = Profile(model_s=0.2, command_s=0.05)
-FULL_SIZES = {"anthropic": [256, 1024, 4096], "scripted": [1024, 4096]}
-QUICK_SIZES = {"anthropic": [8, 32], "scripted": [32]}
+FULL_SIZES = {"anthropic": [256, 1024, 4096], "openai": [1024], "scripted": [1024, 4096]}
+QUICK_SIZES = {"anthropic": [8, 32], "openai": [8], "scripted": [32]}
+
+
+def runs_provider(impl: str, provider: str) -> bool:
+    """The original design's agent speaks only the Messages API: no `openai` baseline."""
+    return not (impl == "baseline" and provider == "openai")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -355,6 +362,9 @@ class Burst:
         if self.provider == "anthropic":
             return {"kind": "anthropic", "model": MODEL, "base_url": self.base_url,
                     "api_key_env": API_KEY_ENV}
+        if self.provider == "openai":
+            return {"kind": "openai", "model": MODEL, "base_url": self.base_url + "/v1",
+                    "api_key_env": OPENAI_KEY_ENV}
         # Set usage, so the scripted provider does not estimate it from the conversation at
         # every call: the real provider reads it from the reply, as this one then does.
         usage = {"input_tokens": 1000, "output_tokens": 20, "calls": 1}
@@ -470,8 +480,11 @@ def run_burst(burst: Burst) -> dict[str, Any]:
 
     raise_open_files_limit()
     os.environ.setdefault(API_KEY_ENV, "bench-key")
+    os.environ.setdefault(OPENAI_KEY_ENV, "bench-key")
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # else litellm goes online
-    import anthropic  # noqa: F401  # loaded before the burst, as after a process's first trial
+    # loaded before the burst, as after a process's first trial
+    import anthropic  # noqa: F401
+    import openai  # noqa: F401
 
     host_beat = Heartbeat() if burst.impl != "research" else None
     trio_beat = Heartbeat() if burst.impl != "baseline" else None
@@ -574,7 +587,7 @@ def _command(impl: str, bursts: list[tuple[str, int]], profile: Profile, base_ur
 
 def _environ(impl: str) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-           API_KEY_ENV: "bench-key"}
+           API_KEY_ENV: "bench-key", OPENAI_KEY_ENV: "bench-key"}
     env.pop("WMO_TRIO_HOST", None)
     if impl == "guest":
         env["WMO_TRIO_HOST"] = "guest"
@@ -662,11 +675,13 @@ def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
             load = os.getloadavg()
             server.stats(reset=True)
             share = MachineShare()
+            own = {impl: [(provider, n) for provider, n in bursts if runs_provider(impl, provider)]
+                   for impl in impls}
             running = {impl: subprocess.Popen(
-                _command(impl, bursts, profile, server.base_url, cap), cwd=ROOT, env=_environ(impl),
+                _command(impl, own[impl], profile, server.base_url, cap), cwd=ROOT, env=_environ(impl),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for impl in impls}
             runs = [run for impl, process in running.items()
-                    for run in _finish(process, 2 * cap * len(bursts) + 300, impl, bursts)]
+                    for run in _finish(process, 2 * cap * len(own[impl]) + 300, impl, own[impl])]
             results["server"] = server.stats()
             machine = share.figures(results["server"]["cpu_s"])  # the whole batch's
             results["runs"] += [{**run, "load_before": load, "machine": machine} for run in runs]
@@ -674,7 +689,7 @@ def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
             # One interpreter per implementation and size, one after the other, so that
             # no run shares the machine, its threads or its memory with another.
             for burst in bursts:
-                for impl in impls:
+                for impl in (impl for impl in impls if runs_provider(impl, burst[0])):
                     load = os.getloadavg()
                     server.stats(reset=True)
                     log(f"{burst[0]} x {burst[1]:,}: {impl} (load {load[0]:.2f}) ...")
@@ -726,9 +741,19 @@ _ROWS: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 
 
+# The SDK's own cost per call that a provider's CPU per step is set against.
+_SDK_CLIENTS = {
+    "anthropic": (("sync_cpu_per_call_ms", "sync client"),
+                  ("async_trio_cpu_per_call_ms", "AsyncAnthropic on trio")),
+    "openai": (("openai_sync_cpu_per_call_ms", "sync client"),
+               ("openai_async_trio_cpu_per_call_ms", "AsyncOpenAI on trio")),
+}
+
+
 def markdown_rows(traffic: dict[str, Any]) -> list[tuple[str, str, dict[str, float]]]:
     """(metric, unit, {impl: value}) for every figure of the scenario, NaN where a figure
-    does not apply (no trio loop in the baseline; no asyncio loop in the research API) or
+    does not apply (no trio loop in the baseline; no asyncio loop in the research API; no
+    baseline of the `openai` provider) or
     the run failed."""
     sdk = traffic["sdk"]
     rows: list[tuple[str, str, dict[str, float]]] = []
@@ -740,9 +765,15 @@ def markdown_rows(traffic: dict[str, Any]) -> list[tuple[str, str, dict[str, flo
         for index, (label, unit, path) in enumerate(_ROWS):
             rows.append((f"{label} {where}", unit,
                          {impl: figure(run, *path) for impl, run in runs.items()}))
-            if index == 1 and provider == "anthropic":
-                for key, client in (("sync_cpu_per_call_ms", "sync client"),
-                                    ("async_trio_cpu_per_call_ms", "AsyncAnthropic on trio")):
+            if index == 1:
+                # One step every model_s + command_s per episode: at this CPU per step, the
+                # episodes whose work fills one core (the interpreter lock's bound, roughly).
+                step_s = traffic["profile"]["model_s"] + traffic["profile"]["command_s"]
+                rows.append((f"episodes whose steps fill one core at {step_s:g} s a step {where}",
+                             "", {impl: step_s * 1000 / figure(run, "cpu_per_step_ms")
+                                  for impl, run in runs.items()}))
+            if index == 1 and provider in _SDK_CLIENTS:
+                for key, client in _SDK_CLIENTS[provider]:
                     rows.append((f"CPU per step / SDK's own per call ({client}) {where}", "x",
                                  {impl: figure(run, "cpu_per_step_ms") / sdk[key]
                                   for impl, run in runs.items()}))
@@ -760,7 +791,7 @@ def main() -> None:
     one = commands.add_parser("run", help="one implementation at one size, in this process")
     one.add_argument("--impl", choices=IMPLS, required=True)
     one.add_argument("--burst", action="append", required=True, metavar="PROVIDER:N",
-                     help="a provider (anthropic or scripted) and a number of episodes; repeatable")
+                     help="a provider (anthropic, openai or scripted) and a number of episodes; repeatable")
     one.add_argument("--base-url", required=True)
     one.add_argument("--model-s", type=float, default=FULL.model_s)
     one.add_argument("--command-s", type=float, default=FULL.command_s)

@@ -48,6 +48,7 @@ def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
     assert "Real harbor job" in table and "process CPU time / ideal wall time" in table
     assert "| real traffic | baseline (original design) |" in table
     assert "CPU per step / SDK's own per call (sync client) @ 32 (anthropic)" in table
+    assert "CPU per step / SDK's own per call (AsyncOpenAI on trio) @ 8 (openai)" in table
     assert "No figures for" not in table
     for plot in ("start_latency.png", "cancel_latency.png"):
         assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
@@ -57,14 +58,16 @@ def check_traffic(traffic: dict[str, Any]) -> None:
     """Every implementation ran every episode of every burst to its submit, through the
     real SDK and the benchmark's server, and every figure the table shows is there."""
     sdk = traffic["sdk"]
-    assert sdk["sync_cpu_per_call_ms"] > 0 and sdk["async_trio_cpu_per_call_ms"] > 0
+    for prefix in ("", "openai_"):
+        assert sdk[f"{prefix}sync_cpu_per_call_ms"] > 0 < sdk[f"{prefix}async_trio_cpu_per_call_ms"]
     assert sdk["client_cpu_ms"] > 0
     impls = {"baseline", "thread", "guest", "trio-asyncio", "research"}
     expected = {(impl, provider, n) for impl in impls
-                for provider, n in (("anthropic", 8), ("anthropic", 32), ("scripted", 32))}
+                for provider, n in (("anthropic", 8), ("anthropic", 32), ("openai", 8), ("scripted", 32))
+                if (impl, provider) != ("baseline", "openai")}
     assert {(r["impl"], r["provider"], r["n"]) for r in traffic["runs"]} == expected
-    # Every model call of the anthropic runs reached the server: 5 per episode.
-    episodes = sum(r["n"] for r in traffic["runs"] if r["provider"] == "anthropic")
+    # Every model call of the anthropic and openai runs reached the server: 5 per episode.
+    episodes = sum(r["n"] for r in traffic["runs"] if r["provider"] != "scripted")
     assert traffic["server"]["requests"] == 5 * episodes
     assert traffic["server"]["tool_uses"] == {"bash": 4 * episodes, "submit": episodes}
     for run in traffic["runs"]:
@@ -115,6 +118,31 @@ def test_messages_server_scripts_a_whole_episode_for_the_real_sdk() -> None:
     assert names == ["bash", "bash", "submit", "submit"]
     assert stats["requests"] == 4 and stats["tool_uses"] == {"bash": 2, "submit": 2}
     assert stats["connections_opened"] == 2  # one kept alive for every call, one for stats
+
+
+def test_messages_server_scripts_a_whole_episode_for_the_real_openai_sdk() -> None:
+    import openai
+
+    from benchmarks.messages_server import serve
+
+    with serve(delay_s=0.05, tool_calls=2) as server:
+        client = openai.OpenAI(api_key="any", base_url=server.base_url + "/v1", max_retries=0)
+        assert [model.id for model in client.models.list()] == ["bench"]
+        messages: list[Any] = [{"role": "user", "content": "go"}]
+        calls = []
+        for _ in range(3):
+            reply = client.chat.completions.create(model="bench", messages=messages)
+            [choice] = reply.choices
+            [call] = choice.message.tool_calls or []
+            assert choice.finish_reason == "tool_calls" and reply.usage is not None
+            calls.append((call.function.name, json.loads(call.function.arguments)))
+            messages += [choice.message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "ok"}]
+        client.close()
+        stats = server.stats()
+    assert calls == [("bash", {"command": "echo step 1"}), ("bash", {"command": "echo step 2"}),
+                     ("submit", {"answer": "done"})]
+    assert stats["requests"] == 3 and stats["tool_uses"] == {"bash": 2, "submit": 1}
 
 
 def test_messages_server_answers_pipelined_requests_in_order_after_the_delay() -> None:
