@@ -1233,3 +1233,30 @@ def test_wmo_trio_run_with_openai_model_runs_a_job_against_a_keyless_server(tmp_
     assert [(r.method, r.path) for r in requests] == [("GET", "/v1/models")] + [
         ("POST", "/v1/chat/completions")] * 2
     assert all("authorization" not in r.headers for r in requests)
+
+
+@pytest.mark.harbor
+@pytest.mark.parametrize("problem", ["no key", "no server"])
+def test_harbor_refuses_an_openai_model_it_cannot_use_before_any_trial(tmp_path: Path,
+                                                                      problem: str) -> None:
+    # harbor's own CLI: the agent's preflight says what is wrong, once, and no trial starts.
+    from test_harbor_agent import harbor_env, harbor_run
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))  # a port nobody listens on once this is closed
+        port = unused.getsockname()[1]
+    provider_config = {"kind": "openai", "model": api.MODEL,
+                       "base_url": f"http://127.0.0.1:{port}/v1", "api_key_env": KEY_ENV}
+    job = harbor_run(tmp_path / "jobs", ROOT / "examples/tasks/hello-file",
+                     provider_config=provider_config)
+    environment = harbor_env(**{KEY_ENV: api.API_KEY})
+    if problem == "no key":
+        del environment[KEY_ENV]
+    completed = subprocess.run(job.argv, cwd=ROOT, env=environment, capture_output=True, text=True,
+                               timeout=300)
+    output = " ".join((completed.stdout + completed.stderr).split())  # harbor wraps its lines
+    assert completed.returncode != 0, output[-3000:]
+    expected = (f"no API key; set the environment variable {KEY_ENV}" if problem == "no key"
+                else "cannot reach base_url")
+    assert expected in output, output[-3000:]
+    assert not list((tmp_path / "jobs").glob("*/*/result.json"))  # no trial ran
