@@ -19,8 +19,10 @@ from harbor.environments.capabilities import (
 )
 from harbor.environments.definition import require_agent_environment_definition
 from harbor.models.task.config import NetworkMode
+from harbor.models.trial.config import ResourceMode
 
 from wmo_trio.sandbox import _transfer
+from wmo_trio.sandbox._cgroup import Limits, host_cgroups, remove_stale_cgroups
 from wmo_trio.sandbox._dockerfile import DockerfileError
 from wmo_trio.sandbox._image import Image, ImageCache, ImageConfig, default_cache_dir
 from wmo_trio.sandbox._namespace import (
@@ -47,6 +49,8 @@ BUILD_LOG = "sandbox-build.log"
 # What harbor's Docker environment runs as the container's command; an ENTRYPOINT
 # receives it as its arguments.
 KEEPALIVE = ["sh", "-c", "sleep infinity"]
+# Tasks whose limits this process already said it cannot enforce: once each, not per trial.
+_WARNED_UNENFORCED: set[str] = set()
 
 
 class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
@@ -60,8 +64,9 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
       instructions are built once per image and cached (``wmo-trio sandbox images``).
     - Each trial has a private overlay root, PID, IPC, UTS, mount, cgroup and network
       namespaces, a fresh ``/proc``, a minimal ``/dev``, only the task's and harbor's
-      environment variables, and outbound network through slirp4netns unless the task
-      forbids it. Nothing of the host's ``/tmp``, ``/root``, ``/home``, the project,
+      environment variables, outbound network through slirp4netns unless the task
+      forbids it, and ``cpus`` and ``memory_mb`` as cgroup ceilings where this machine's
+      cgroups allow them. Nothing of the host's ``/tmp``, ``/root``, ``/home``, the project,
       the job's datasets and tasks or the jobs directory is visible.
     - It runs as root on Linux with bubblewrap, slirp4netns and util-linux; elsewhere
       ``preflight`` and ``start`` fail with one error pointing to ``-e docker``.
@@ -106,8 +111,31 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
 
     @classmethod
     def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
-        # CPU and memory figures are accepted but not enforced (see the README).
-        return EnvironmentResourceCapabilities(fractional_cpus=True)
+        # Hard ceilings where this machine's cgroups allow them (see _cgroup); no
+        # reservations.
+        cgroups = host_cgroups()
+        return EnvironmentResourceCapabilities(
+            cpu_limit=cgroups.offers("cpu"), memory_limit=cgroups.offers("memory"),
+            fractional_cpus=True)
+
+    def _limits(self) -> Limits | None:
+        """The trial's ceilings as harbor resolves them (task.toml's ``cpus`` and
+        ``memory_mb``, overrides, the enforcement policy); those this machine cannot
+        enforce are dropped, with a warning."""
+        cpus = self._resource_limit_value("cpu", auto_mode=ResourceMode.LIMIT)
+        memory_mb = self._resource_limit_value("memory", auto_mode=ResourceMode.LIMIT)
+        cgroups = host_cgroups()
+        unenforced = [f"{name}={value}" for name, value, controller in
+                      (("cpus", cpus, "cpu"), ("memory_mb", memory_mb, "memory"))
+                      if value is not None and not cgroups.offers(controller)]
+        if unenforced and self.environment_name not in _WARNED_UNENFORCED:
+            _WARNED_UNENFORCED.add(self.environment_name)
+            self.logger.warning("%s: %s not enforced: %s", self.environment_name,
+                                " and ".join(unenforced), cgroups.reason)
+        limits = Limits(cpus=float(cpus) if cpus is not None and cgroups.offers("cpu")
+                        else None,
+                        memory_mb=memory_mb if cgroups.offers("memory") else None)
+        return limits if limits.wanted else None
 
     @classmethod
     def preflight(cls) -> None:
@@ -175,6 +203,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         if reason is not None:
             raise unavailable(reason)
         await asyncio.to_thread(remove_stale_states, self._state_root)
+        await asyncio.to_thread(remove_stale_cgroups)
         # Here, not only before a build: a build's leftovers would outlive every job
         # whose images are all built already.
         await asyncio.to_thread(self._cache.remove_leftovers)
@@ -202,6 +231,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             self._sandbox = await Sandbox.launch(
                 state=state, host=host, image_layer=image.layer if image else None,
                 network=self._network, hostname=hostname, binds=binds, etc_files=etc,
+                limits=self._limits(),
             )
             self._image = image
             await self._prepare()

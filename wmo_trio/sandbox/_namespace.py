@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from wmo_trio.sandbox._cgroup import Limits, TrialCgroup
 from wmo_trio.sandbox._processes import Channel, wait_readable
 from wmo_trio.sandbox._rootfs import HostLayers, make_hiding_layer
 
@@ -188,6 +189,7 @@ class Sandbox:
     state: StateDir
     network: asyncio.subprocess.Process | None = None
     network_exit_fd: int | None = None
+    cgroup: TrialCgroup | None = None
     stopped: bool = field(default=False)
 
     @property
@@ -221,9 +223,12 @@ class Sandbox:
         hostname: str,
         binds: Sequence[Bind] = (),
         etc_files: dict[str, str] | None = None,
+        limits: Limits | None = None,
     ) -> Sandbox:
         """Mount the root in ``state``, start bubblewrap and its helper there and, with
-        ``network``, a slirp4netns stack for its network namespace.
+        ``network``, a slirp4netns stack for its network namespace; with ``limits``,
+        every process of the sandbox runs in a cgroup of its own that holds them
+        (where this machine offers cgroups: see ``_cgroup``).
 
         If this fails or is cancelled, whatever was started is stopped again; the state
         directory is the caller's to remove.
@@ -253,12 +258,19 @@ class Sandbox:
         for bind in binds:
             bwrap += ["--ro-bind" if bind.read_only else "--bind", bind.source, bind.target]
         bwrap += ["python3", "-I", "-S", f"/proc/self/fd/{helper_fd}"]
-        script = " && ".join([*mounts, "exec " + " ".join(_quote(word) for word in bwrap)])
         log = os.open(state.path / "launch.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         process: asyncio.subprocess.Process | None = None
         channel: Channel | None = None
         sandbox: Sandbox | None = None
+        cgroup: TrialCgroup | None = None
         try:
+            if limits is not None:
+                cgroup = await asyncio.to_thread(TrialCgroup.create, limits)
+            # The launch joins the cgroup first: bubblewrap and all it starts follow.
+            joins = [f"echo $$ > {_quote(str(path))}"
+                     for path in (cgroup.procs_files if cgroup else ())]
+            script = " && ".join([*joins, *mounts,
+                                  "exec " + " ".join(_quote(word) for word in bwrap)])
             process = await asyncio.create_subprocess_exec(
                 "unshare", "--mount", "--propagation", "private", "sh", "-c", script,
                 stdin=theirs.fileno(), stdout=asyncio.subprocess.DEVNULL, stderr=log,
@@ -273,7 +285,8 @@ class Sandbox:
             theirs.close()
             channel = Channel(ours)
             helper_pid = await _read_child_pid(info_read, process, state)
-            sandbox = cls(process=process, channel=channel, helper_pid=helper_pid, state=state)
+            sandbox = cls(process=process, channel=channel, helper_pid=helper_pid, state=state,
+                          cgroup=cgroup)
             if network:
                 await sandbox._start_network()
             try:
@@ -295,6 +308,8 @@ class Sandbox:
                     ours.close()
                 if process is not None:
                     await _end(process)
+                if cgroup is not None:
+                    await asyncio.to_thread(cgroup.remove)
             raise
         finally:
             os.close(log)
@@ -346,6 +361,8 @@ class Sandbox:
             self.network_exit_fd = None
         if self.network is not None:
             await _end(self.network)
+        if self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.remove)
 
 
 def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
