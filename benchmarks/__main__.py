@@ -279,12 +279,19 @@ def update_readme(table: str) -> None:
     readme.write_text(f"{head}{README_START}\n{table}{README_END}{tail}")
 
 
+# What a run measures, in order; each is saved to partial.json as it ends.
+PARTS = ("engine", "traffic", "harbor_job", "local_environment")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument("--quick", action="store_true", help="every scenario, small sizes")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results")
     parser.add_argument("--readme", action="store_true", help="put the table into README.md")
     parser.add_argument("--skip-harbor", action="store_true", help="no real harbor job")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the parts a run that stopped early measured (in --out's "
+                             "partial.json, same mode and day) and run only the rest")
     parser.add_argument("--only", choices=("engine", "traffic", "harbor"),
                         help="one part of the suite (not with --readme)")
     args = parser.parse_args()
@@ -299,6 +306,18 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"), "machine": machine(),
         "mode": "quick" if args.quick else "full",
     }
+    # Each part is saved as it ends: a full run takes most of an hour, and a failure in
+    # its last part must not cost the others.
+    partial = args.out / "partial.json"
+    if args.resume and partial.is_file():
+        kept = json.loads(partial.read_text())
+        if (kept.get("date"), kept.get("mode"), kept.get("machine")) == (
+                results["date"], results["mode"], results["machine"]):
+            results = kept
+            print("resuming: " + ", ".join(k for k in PARTS if k in kept), file=sys.stderr)
+
+    def save() -> None:
+        partial.write_text(json.dumps(results, indent=2))
 
     def run_traffic() -> None:
         results["traffic"] = traffic.suite(
@@ -310,23 +329,29 @@ def main() -> None:
         # which keeps its whole length near a minute.
         background = threading.Thread(target=run_traffic, name="traffic")
         background.start()
-    if "engine" in parts:
+    if "engine" in parts and "engine" not in results:
         results["engine"] = run_engines(args.quick)
-    if "traffic" in parts and background is None:
+        save()
+    if "traffic" in parts and background is None and "traffic" not in results:
         run_traffic()
+        save()
     if "harbor" in parts:
         from benchmarks import harbor_job, local_environment
 
-        print("real harbor job ...", file=sys.stderr, flush=True)
-        results["harbor_job"] = harbor_job.run(args.quick)
-        print("docker-free environment ...", file=sys.stderr, flush=True)
-        results["local_environment"] = local_environment.run(args.quick)
+        if "harbor_job" not in results:
+            print("real harbor job ...", file=sys.stderr, flush=True)
+            results["harbor_job"] = harbor_job.run(args.quick)
+            save()
+        if "local_environment" not in results:
+            print("docker-free environment ...", file=sys.stderr, flush=True)
+            results["local_environment"] = local_environment.run(args.quick)
     if background is not None:
         background.join()
         if "traffic" not in results:
             raise SystemExit("the real-traffic scenario failed (see above)")
     results["seconds"] = time.perf_counter() - started
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    partial.unlink(missing_ok=True)
     table = markdown(results)
     (args.out / "results.md").write_text(table)
     written = plots(results, args.out)

@@ -119,6 +119,7 @@ class Channel:
             self._closed = True
             if not self._ready.done():
                 self._ready.set_exception(ChannelClosed("the sandbox's helper exited"))
+                self._ready.exception()  # seen: a launch that failed earlier never waits
             for queue in self._waiting.values():
                 queue.put_nowait({"closed": True})
 
@@ -143,13 +144,22 @@ class Channel:
                 raise ChannelClosed(f"the sandbox's helper is gone: {error}") from None
 
     async def close(self) -> None:
+        """Stop reading, then close the socket. In that order: the reader's
+        ``sock_recv`` keeps the socket's descriptor number registered in the loop's
+        selector until its cancellation is processed, and once the socket is closed
+        that number may belong to another file (a child process's pidfd that asyncio
+        starts to watch meanwhile); the selector would then keep the stale entry for
+        it, and the stale entry's removal would unwatch the new file for good."""
         self._closed = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
         self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        try:
+            await asyncio.wait([self._reader])
+        finally:
+            if not self._reader.done():  # this close was cancelled before the reader ended
+                asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close()
 
     async def run(
         self,
