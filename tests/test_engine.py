@@ -686,3 +686,21 @@ async def test_a_wait_through_the_control_lets_the_next_worker_compute() -> None
         nursery.start_soon(engine.run_episode, Waits())
         nursery.start_soon(engine.run_episode, Computes())
     assert waited == [True]
+
+
+async def test_an_episodes_close_and_trace_write_hold_no_place_at_the_run_gate() -> None:
+    # One place: the first episode's close blocks outside its control (a provider's client
+    # closing, a remote sandbox being killed); the second still computes meanwhile.
+    engine = EpisodeEngine(workers=2, runnable=1)
+    engine.gate.patience_s = 60.0
+    closing, second_ran = threading.Event(), threading.Event()
+    ran_during_close: list[bool] = []
+    first = FakeEpisode(on_close=lambda: (
+        closing.set(), ran_during_close.append(second_ran.wait(30))))
+    second = FakeEpisode(on_run=second_ran.set)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run_episode, first)
+        await trio.to_thread.run_sync(closing.wait, 60)
+        nursery.start_soon(engine.run_episode, second)
+    assert ran_during_close == [True]  # with the place held, only after 60 s of patience
+    assert first.events[-1] == ("record", "Value", False)

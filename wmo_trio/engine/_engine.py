@@ -214,9 +214,13 @@ class EpisodeEngine:
             control.enter_gate()
             try:
                 result = outcome.capture(episode.run, control)
-                return Finished(result, _finish(episode, result, state.run_returned()))
             finally:
+                # Not through close and record: a close runs whatever the episode's parts
+                # do (an SDK client's, a remote sandbox's), blocking outside the control,
+                # and the trace write waits on the disk; a place held meanwhile is one the
+                # others wait for (make soak: the gate's patience ran out 2,260 times).
                 control.leave_gate()
+            return Finished(result, _finish(episode, result, state.run_returned()))
 
         finished: Finished | None = None
         never_ran: outcome.Error | None = None
