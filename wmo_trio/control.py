@@ -63,7 +63,6 @@ class RunGate:
     def __init__(self, size: int, *, patience_s: float = 0.5) -> None:
         if size < 1:
             raise ValueError(f"a run gate needs at least one place, got {size}")
-        self.size = size
         self.patience_s = patience_s
         self._lock = threading.Lock()
         self._free = size
@@ -182,12 +181,11 @@ class CallControl:
         """Around a wait of the worker's own (a blocking SDK call): its place in the gate is
         let go for the wait and taken again after it. Every wait of this class does it
         already; on a thread other than the worker's it changes nothing."""
-        held = self._in_gate and threading.get_ident() == self._gate_thread
         self.leave_gate()
         try:
             yield
         finally:
-            if held or threading.get_ident() == self._gate_thread:
+            if threading.get_ident() == self._gate_thread:
                 self.enter_gate()
 
     # -- time ---------------------------------------------------------------------------

@@ -218,7 +218,7 @@ class EpisodeEngine:
                 # Not through close and record: a close runs whatever the episode's parts
                 # do (an SDK client's, a remote sandbox's), blocking outside the control,
                 # and the trace write waits on the disk; a place held meanwhile is one the
-                # others wait for (make soak: the gate's patience ran out 2,260 times).
+                # others wait out the gate's patience for (`make soak`'s wall time).
                 control.leave_gate()
             return Finished(result, _finish(episode, result, state.run_returned()))
 

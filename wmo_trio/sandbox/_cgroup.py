@@ -203,10 +203,10 @@ class TrialCgroup:
     directories: tuple[Path, ...]
 
     @classmethod
-    def create(cls, limits: Limits, host: HostCgroups | None = None) -> TrialCgroup | None:
+    def create(cls, limits: Limits) -> TrialCgroup | None:
         """Make the cgroups ``limits`` need and write the limits; None when there is
         nothing to limit or nowhere to do it."""
-        hierarchies = (host or host_cgroups()).for_limits(limits)
+        hierarchies = host_cgroups().for_limits(limits)
         if not hierarchies:
             return None
         name = f"{PREFIX}{os.getpid()}.{uuid.uuid4().hex[:12]}"
@@ -294,6 +294,6 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, someone else's
+        pass
     return True

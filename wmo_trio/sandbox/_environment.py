@@ -125,16 +125,18 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         cpus = self._resource_limit_value("cpu", auto_mode=ResourceMode.LIMIT)
         memory_mb = self._resource_limit_value("memory", auto_mode=ResourceMode.LIMIT)
         cgroups = host_cgroups()
-        unenforced = [f"{name}={value}" for name, value, controller in
-                      (("cpus", cpus, "cpu"), ("memory_mb", memory_mb, "memory"))
-                      if value is not None and not cgroups.offers(controller)]
+        unenforced = []
+        if cpus is not None and not cgroups.offers("cpu"):
+            unenforced.append(f"cpus={cpus}")
+            cpus = None
+        if memory_mb is not None and not cgroups.offers("memory"):
+            unenforced.append(f"memory_mb={memory_mb}")
+            memory_mb = None
         if unenforced and self.environment_name not in _WARNED_UNENFORCED:
             _WARNED_UNENFORCED.add(self.environment_name)
             self.logger.warning("%s: %s not enforced: %s", self.environment_name,
                                 " and ".join(unenforced), cgroups.reason)
-        limits = Limits(cpus=float(cpus) if cpus is not None and cgroups.offers("cpu")
-                        else None,
-                        memory_mb=memory_mb if cgroups.offers("memory") else None)
+        limits = Limits(cpus=None if cpus is None else float(cpus), memory_mb=memory_mb)
         return limits if limits.wanted else None
 
     @classmethod
