@@ -150,7 +150,7 @@ def test_the_command_prints_tables_json_and_a_plot(jobs: dict[str, Path], tmp_pa
     shown = wmo_trio("compare", str(jobs["harness"]), str(jobs["harness-no-write"]),
                      "--plot", str(plot))
     assert shown.returncode == 0, shown.stderr
-    assert doc_hash("harness-no-write")[:12] in shown.stdout
+    assert f"{doc_hash('harness-no-write')[:8]} harness-no-write" in shown.stdout
     assert "exact sign-flip" in shown.stdout and "-0.667" in shown.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import scipy.stats
 from harbor.utils.pass_at_k import _pass_at_k_for_task
+from rich.console import Console
 
-from wmo_trio.compare import CompareError, TrialRecord, compare
+from wmo_trio.compare import CompareError, TrialRecord, compare, render
 from wmo_trio.compare._stats import (
     EXACT_SIGN_FLIP_LIMIT,
     bootstrap_interval,
@@ -212,3 +213,25 @@ def test_nothing_to_compare_is_a_clear_error() -> None:
         compare([])
     with pytest.raises(CompareError, match="at least 1000"):
         compare([trial("a", "t", 1.0)], resamples=10)
+
+
+def test_the_table_says_which_tasks_were_left_out_and_why() -> None:
+    records = [trial("a", "t1", 1.0), trial("a", "t2", 0.0), trial("b", "t1", 1.0),
+               trial("b", "t3", None, exception="RuntimeError")]
+    console = Console(record=True, width=200)
+    render(compare(records), console)
+    shown = console.export_text()
+    assert "b: not scored on t2 (baseline only); left out of the comparison" in shown
+    assert "b: one paired task; no interval can be had from one" in shown
+    assert "b: 1 trial(s) without a reward, left out (--missing-as-zero counts them as 0)" in shown
+
+
+def test_a_reward_that_is_not_a_finite_number_is_refused_or_unscored() -> None:
+    from pydantic import ValidationError
+
+    from wmo_trio.compare._records import _reward
+
+    with pytest.raises(ValidationError):
+        trial("a", "t", float("nan"))
+    assert [_reward(r) for r in ({"reward": float("inf")}, {"reward": True}, {"a": 1, "b": 0},
+                                 {"score": 0.5}, {"reward": 1})] == [None, None, None, 0.5, 1.0]

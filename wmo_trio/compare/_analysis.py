@@ -152,9 +152,18 @@ def compare(
     return Report(settings=settings, candidates=candidates, comparisons=comparisons)
 
 
-def compare_jobs(paths: Sequence[Path | str], **options: object) -> Report:
-    """`compare` over the trials of harbor job directories (see `compare` for options)."""
-    return compare(load_jobs(paths), **options)  # type: ignore[arg-type]
+def compare_jobs(
+    paths: Sequence[Path | str],
+    *,
+    baseline: str | None = None,
+    missing_as_zero: bool = False,
+    resamples: int = 10_000,
+    seed: int = 0,
+    confidence: float = 0.95,
+) -> Report:
+    """`compare` over the finished trials of harbor job directories (`load_jobs`)."""
+    return compare(load_jobs(paths), baseline=baseline, missing_as_zero=missing_as_zero,
+                   resamples=resamples, seed=seed, confidence=confidence)
 
 
 def _resolve(baseline: str | None, keys: list[str]) -> str:

@@ -11,13 +11,22 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    NonNegativeFloat,
+    NonNegativeInt,
+    ValidationError,
+)
 
 if TYPE_CHECKING:
     from wmo_trio.harness import HarnessDoc
@@ -43,7 +52,7 @@ class TrialRecord(BaseModel):
     name: str = Field(description="a label for people; never used to group")
     task: str
     task_digest: str = ""
-    reward: float | None = Field(description="None: the trial has no reward (not verified)")
+    reward: FiniteFloat | None = Field(description="None: the trial has no reward (not verified)")
     timed_out: bool = False
     exception: str | None = Field(default=None,
                                   description="the type of any exception other than the "
@@ -172,8 +181,8 @@ def _reward(rewards: Mapping[str, Any] | None) -> float | None:
     if not rewards:
         return None
     value = rewards.get("reward", next(iter(rewards.values())) if len(rewards) == 1 else None)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None  # not a number a mean can take: the trial counts as unscored
     return float(value)
 
 

@@ -16,8 +16,13 @@ if TYPE_CHECKING:
 
 
 def short(key: str) -> str:
-    """A candidate key as tables show it: a doc_hash's first 12 digits, other keys whole."""
-    return key[:12] if len(key) == 32 and all(c in "0123456789abcdef" for c in key) else key
+    """A candidate key as tables show it: a doc_hash's first 8 digits, other keys whole."""
+    return key[:8] if len(key) == 32 and all(c in "0123456789abcdef" for c in key) else key
+
+
+def _label(key: str, names: dict[str, str]) -> str:
+    name = names.get(key, key)
+    return key if name == key else f"{short(key)} {name}"
 
 
 def _number(value: float | None, digits: int = 3, signed: bool = False) -> str:
@@ -35,13 +40,14 @@ def _interval(low: float | None, high: float | None, signed: bool = False) -> st
 def candidates_table(report: Report) -> Table:
     level = f"{report.settings.confidence:.0%} CI"
     table = Table(title="candidates", show_header=True)
-    for column in ("candidate", "name", "trials", "tasks", "mean reward", level, "pass@k",
-                   "timeouts", "exceptions", "no reward", "tokens in/out", "agent s"):
-        table.add_column(column, justify="left" if column in ("candidate", "name") else "right",
-                         no_wrap=column not in ("name", "pass@k"))
+    for column in ("candidate", "trials", "tasks", "mean", level, "pass@k", "timeouts",
+                   "errors", "no reward", "tokens in/out", "agent s"):
+        table.add_column(column, justify="left" if column == "candidate" else "right",
+                         no_wrap=column != "pass@k")
     for c in report.candidates:
         table.add_row(
-            short(c.doc_hash), c.name, str(c.trials), str(c.tasks), _number(c.mean_reward),
+            _label(c.doc_hash, {c.doc_hash: c.name}),
+            str(c.trials), str(c.tasks), _number(c.mean_reward),
             _interval(c.ci_low, c.ci_high),
             " ".join(f"@{k} {v:.2f}" for k, v in c.pass_at_k.items()) or "-",
             str(c.timeouts), str(c.exceptions), str(c.unscored),
@@ -58,12 +64,13 @@ def comparisons_table(report: Report) -> Table:
                    "wins", "losses", "ties", "unpaired"):
         table.add_column(column, justify="left" if column in ("candidate", "baseline", "test")
                          else "right", no_wrap=True)
+    names = {c.doc_hash: c.name for c in report.candidates}
     for c in report.comparisons:
         excludes_zero = c.ci_low is not None and c.ci_high is not None and (
             c.ci_low > 0 or c.ci_high < 0)
         style = "" if not excludes_zero else ("green" if (c.mean_difference or 0) > 0 else "red")
         table.add_row(
-            short(c.candidate), short(c.baseline), str(c.tasks),
+            _label(c.candidate, names), short(c.baseline), str(c.tasks),
             Text(_number(c.mean_difference, signed=True), style=style),
             Text(_interval(c.ci_low, c.ci_high, signed=True), style=style),
             "-" if c.p_value is None else f"{c.p_value:.3g}", c.p_method or "-",
@@ -118,15 +125,16 @@ def plot(report: Report, path: Path) -> None:
     FigureCanvasAgg(figure)
     left, right = figure.subplots(1, 2, width_ratios=(3, 2))
     colours = {c.doc_hash: f"C{index % 10}" for index, c in enumerate(report.candidates)}
-    _plot_rewards(left, report.candidates, tasks, colours)
+    _plot_rewards(left, report, tasks, colours)
     _plot_differences(right, report, colours)
     figure.legend(loc="outside lower center", ncols=min(3, len(report.candidates)),
                   fontsize="small", frameon=False)
     figure.savefig(path, dpi=110)
 
 
-def _plot_rewards(axes: Axes, candidates: list[CandidateSummary], tasks: list[str],
-                  colours: dict[str, str]) -> None:
+def _plot_rewards(axes: Axes, report: Report, tasks: list[str], colours: dict[str, str]) -> None:
+    candidates = report.candidates
+    baseline = report.comparisons[0].baseline if report.comparisons else None
     row = {task: index for index, task in enumerate(tasks)}
     spread = 0.6 / max(1, len(candidates))
     for index, candidate in enumerate(candidates):
@@ -134,7 +142,8 @@ def _plot_rewards(axes: Axes, candidates: list[CandidateSummary], tasks: list[st
         scored = [(s.mean_reward, row[s.task] + offset) for s in candidate.per_task
                   if s.mean_reward is not None]
         axes.scatter([x for x, _ in scored], [y for _, y in scored],
-                     s=36, label=f"{short(candidate.doc_hash)} {candidate.name}", zorder=3,
+                     s=36, label=_label(candidate.doc_hash, {candidate.doc_hash: candidate.name})
+                     + (" (baseline)" if candidate.doc_hash == baseline else ""), zorder=3,
                      color=colours[candidate.doc_hash])
     axes.set_yticks(range(len(tasks)), tasks)
     axes.invert_yaxis()
