@@ -211,7 +211,7 @@ def test_the_baseline_is_the_first_candidate_or_the_one_named_by_a_unique_prefix
 def test_nothing_to_compare_is_a_clear_error() -> None:
     with pytest.raises(CompareError, match="no trials"):
         compare([])
-    with pytest.raises(CompareError, match="at least 1000"):
+    with pytest.raises(CompareError, match="at least 10,000"):
         compare([trial("a", "t", 1.0)], resamples=10)
 
 

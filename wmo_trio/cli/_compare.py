@@ -34,8 +34,12 @@ def compare(
         "verifier) as reward 0 instead of leaving them out.")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the bootstrap resampling.")] = 0,
 ) -> None:
-    """Compare candidates on the same tasks: per-candidate means with bootstrap intervals,
-    and paired differences from the baseline with intervals, p-values, wins and losses."""
+    """Is a candidate better than the baseline? Paired statistics over the same tasks.
+
+    Per candidate: mean reward with a bootstrap interval over tasks, pass@k, timeouts,
+    errors, tokens. Per candidate against the baseline: the paired mean difference with
+    its interval, an exact sign-flip p-value, wins, losses and ties. See docs/compare.md.
+    """
     from wmo_trio.compare import CompareError, compare_jobs, plot, render
 
     if plot_file is not None and plot_file.suffix.lower() != ".png":

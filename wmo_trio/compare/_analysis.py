@@ -18,6 +18,7 @@ from wmo_trio.compare import _stats
 from wmo_trio.compare._records import CompareError, TrialRecord, load_jobs
 
 SCHEMA_VERSION = 1
+MIN_RESAMPLES = 10_000
 _TIE = 1e-12
 
 
@@ -117,12 +118,13 @@ def compare(
     `baseline` is a candidate key or a unique prefix of one (default: the first record's
     candidate). Trials without a reward are left out of every mean, or count as 0 with
     `missing_as_zero`. Intervals are seeded BCa bootstraps over tasks with `resamples`
-    resamples; the p-value is the exact sign-flip test over the paired tasks (Wilcoxon
+    resamples (at least 10,000); the p-value is the exact sign-flip test over the paired tasks (Wilcoxon
     past `EXACT_SIGN_FLIP_LIMIT` non-zero differences). Raises `CompareError` for an
     empty input or a baseline that names no candidate.
     """
-    if resamples < 1000:
-        raise CompareError(f"resamples={resamples}: use at least 1000 (10,000 by default)")
+    if resamples < MIN_RESAMPLES:
+        raise CompareError(f"resamples={resamples}: use at least {MIN_RESAMPLES:,}, so that "
+                           "the seed moves the intervals' ends little")
     if not 0.5 <= confidence < 1:
         raise CompareError(f"confidence={confidence}: give a level in [0.5, 1), e.g. 0.95")
     groups: dict[str, _Group] = {}
