@@ -45,24 +45,35 @@ def test_the_paired_interval_covers_the_true_difference_95_times_in_100() -> Non
     assert 0.93 <= coverage <= 0.97, coverage
 
 
-def test_identical_candidates_show_a_difference_no_more_often_than_the_nominal_rate() -> None:
+@pytest.fixture(scope="module")
+def identical_on_16_tasks() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Exact p-values and interval ends of DRAWS comparisons of identical candidates."""
     few = per_task_differences(np.random.default_rng(7), tasks=16, attempts=3, improvement=0.0)
+    low, high = bootstrap_interval(few, resamples=10_000, seed=0)
+    return exact_sign_flip(few), low, high
+
+
+def test_identical_candidates_show_a_difference_no_more_often_than_the_nominal_rate(
+    identical_on_16_tasks: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> None:
+    p_values, _, _ = identical_on_16_tasks
     # Rewards in thirds make the exact test a little conservative; it must not be liberal.
-    assert 0.02 <= np.mean(exact_sign_flip(few) < 0.05) <= 0.06
+    assert 0.02 <= np.mean(p_values < 0.05) <= 0.06
     many = per_task_differences(np.random.default_rng(8), tasks=50, attempts=3,
                                 improvement=0.0)
     low, high = bootstrap_interval(many, resamples=10_000, seed=0)
     assert 0.03 <= np.mean((low > 0) | (high < 0)) <= 0.07
 
 
-def test_with_few_tasks_the_interval_is_too_narrow_and_the_p_value_is_not() -> None:
+def test_with_few_tasks_the_interval_is_too_narrow_and_the_p_value_is_not(
+    identical_on_16_tasks: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> None:
     # What docs/compare.md tells the reader: at 16 tasks a bootstrap interval over tasks
     # misses zero for identical candidates more often than 5 % (it cannot see the tasks it
     # was not given); the exact test keeps its level. Act on the p-value there.
-    few = per_task_differences(np.random.default_rng(7), tasks=16, attempts=3, improvement=0.0)
-    low, high = bootstrap_interval(few, resamples=10_000, seed=0)
+    p_values, low, high = identical_on_16_tasks
     assert np.mean((low > 0) | (high < 0)) > 0.07
-    assert np.mean(exact_sign_flip(few) < 0.05) <= 0.06
+    assert np.mean(p_values < 0.05) <= 0.06
 
 
 def test_continuous_rewards_reject_identical_candidates_at_the_nominal_rate() -> None:
