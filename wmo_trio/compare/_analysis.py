@@ -118,9 +118,10 @@ def compare(
     `baseline` is a candidate key or a unique prefix of one (default: the first record's
     candidate). Trials without a reward are left out of every mean, or count as 0 with
     `missing_as_zero`. Intervals are seeded BCa bootstraps over tasks with `resamples`
-    resamples (at least 10,000); the p-value is the exact sign-flip test over the paired tasks (Wilcoxon
-    past `EXACT_SIGN_FLIP_LIMIT` non-zero differences). Raises `CompareError` for an
-    empty input or a baseline that names no candidate.
+    resamples (at least 10,000); the p-value is the exact sign-flip test over the paired
+    tasks (Wilcoxon past `EXACT_SIGN_FLIP_LIMIT` non-zero differences). Raises
+    `CompareError` for an empty input, too few resamples or a baseline that names no
+    candidate.
     """
     if resamples < MIN_RESAMPLES:
         raise CompareError(f"resamples={resamples}: use at least {MIN_RESAMPLES:,}, so that "

@@ -62,6 +62,8 @@ class TrialRecord(BaseModel):
     agent_seconds: NonNegativeFloat | None = None
     source: str = ""
     trial: str = ""
+    trial_id: str = Field(default="", description="harbor's trial id: a trial found twice "
+                                                  "(a job given twice, or copied) counts once")
 
 
 def record_from_run(
@@ -114,10 +116,15 @@ def read_bounded(path: Path, limit: int) -> bytes:
 
 def load_jobs(paths: Iterable[Path | str]) -> list[TrialRecord]:
     """The finished trials of harbor job directories, in the order given, each job's
-    trials in name order. Raises `CompareError` for a path that is not a job directory."""
+    trials in name order, each trial once however often it is found. Raises
+    `CompareError` for a path that is not a job directory."""
     records: list[TrialRecord] = []
+    seen: set[str] = set()
     for path in paths:
-        records.extend(load_job(Path(path)))
+        for record in load_job(Path(path)):
+            if record.trial_id not in seen:
+                seen.add(record.trial_id)
+                records.append(record)
     return records
 
 
@@ -172,7 +179,7 @@ def _trial_record(path: Path, *, source: str) -> TrialRecord | None:
         reward=_reward(rewards), timed_out=exception == AGENT_TIMEOUT,
         exception=exception if exception != AGENT_TIMEOUT else None,
         input_tokens=n_input, output_tokens=n_output, agent_seconds=seconds,
-        source=source, trial=trial.trial_name,
+        source=source, trial=trial.trial_name, trial_id=str(trial.id),
     )
 
 
