@@ -181,7 +181,7 @@ def _plot_differences(axes: Axes, report: Report, colours: dict[str, str]) -> No
                       (c.mean_difference, index), textcoords="offset points", xytext=(0, 8),
                       ha="center", fontsize="small")
     axes.set_yticks(range(len(comparisons)),
-                    [f"{short(c.candidate)} {names.get(c.candidate, '')}" for c in comparisons])
+                    [_label(c.candidate, names) for c in comparisons])
     if comparisons:
         axes.set_ylim(len(comparisons) - 0.5, -0.5)
     axes.grid(axis="x", alpha=0.3)
