@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 
+from wmo_trio.cli._compare import compare as compare_command
+
 if TYPE_CHECKING:
     from wmo_trio.harness import HarnessDoc
 
@@ -26,6 +28,7 @@ app.add_typer(doc_app, name="doc")
 sandbox_app = typer.Typer(help="The docker-free environment's cache of built task images.",
                           no_args_is_help=True)
 app.add_typer(sandbox_app, name="sandbox")
+app.command("compare")(compare_command)
 
 # Tables stay readable when output goes to a file or a CI log.
 console = Console(width=None if sys.stdout.isatty() else 140)
