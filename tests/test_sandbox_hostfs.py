@@ -17,6 +17,7 @@ import pytest
 from wmo_trio.sandbox import _transfer
 from wmo_trio.sandbox._hostfs import (
     FileTooLarge,
+    kernel_filesystem,
     link_stays_inside,
     make_dir_beneath,
     open_beneath,
@@ -191,6 +192,15 @@ def test_remove_beneath_removes_the_link_not_its_target(tmp_path: Path) -> None:
     remove_beneath(tmp_path / "upper", "etc/resolv.conf")
     assert victim.read_text() == "kept"
     assert not os.path.lexists(tmp_path / "upper" / "etc" / "resolv.conf")
+
+
+def test_the_kernels_own_filesystems_are_named(tmp_path: Path) -> None:
+    for path, name in (("/proc", "proc"), ("/proc/self", "proc"), (tmp_path, None)):
+        fd = os.open(path, os.O_PATH)
+        try:
+            assert kernel_filesystem(fd) == name, path
+        finally:
+            os.close(fd)
 
 
 def test_safe_mode_drops_setuid_setgid_sticky_and_foreign_write() -> None:
@@ -368,6 +378,19 @@ def test_a_download_past_its_time_limit_ends_with_the_error(tmp_path: Path) -> N
         asyncio.run(_transfer.download_file(_root_of(root), "/logs/file", target / "copy",
                                             TransferLimits(timeout_sec=1e-9)))
     assert not (target / "copy").exists()
+
+
+def test_nothing_is_read_from_the_kernels_filesystems(tmp_path: Path) -> None:
+    """Read with the host's credentials, /proc says more than a trial may know: a
+    directory or a file there is named as left out, never read."""
+    outcome = _download(Path("/"), "/proc/self", tmp_path / "out")
+    assert outcome.files == 0 and list((tmp_path / "out").iterdir()) == []
+    with pytest.raises(TransferIncomplete, match="kernel's proc filesystem"):
+        outcome.check()
+    with pytest.raises(PermissionError, match="kernel's proc filesystem"):
+        asyncio.run(_transfer.download_file(_root_of(Path("/")), "/proc/self/status",
+                                            tmp_path / "status", TransferLimits()))
+    assert not (tmp_path / "status").exists()
 
 
 def test_download_file_keeps_harbors_contract(tmp_path: Path) -> None:

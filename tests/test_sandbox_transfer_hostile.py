@@ -26,6 +26,8 @@ from test_local_environment import (
     unique_seconds,
 )
 
+from wmo_trio.sandbox._transfer import TransferIncomplete
+
 __all__ = ["pytestmark"]
 
 ESCAPE = REPO / "tests" / "hostile" / "escape.py"
@@ -230,6 +232,24 @@ def test_filtered_and_excluding_downloads_run_no_program_of_the_trial(tmp_path: 
             assert sorted(path.relative_to(excluded).as_posix()
                           for path in excluded.rglob("*")) == [
                 "a.json", "link.json", "sub", "sub/b.json"]
+
+    run(scenario)
+
+
+def test_a_log_dir_linked_to_proc_is_not_read_by_the_host(tmp_path: Path) -> None:
+    """The host reads as root: /proc/keys, kallsyms and their kin would say more than
+    the trial may know, and would be uploaded back into it with the agent's logs."""
+
+    async def scenario() -> None:
+        async with running(make_environment(tmp_path)) as environment:
+            linked = await environment.exec("rm -rf /logs/agent && ln -s /proc /logs/agent")
+            assert linked.return_code == 0, linked.stderr
+            target = tmp_path / "agent"
+            with pytest.raises(TransferIncomplete, match="kernel's proc filesystem"):
+                await environment.download_dir("/logs/agent", target)
+            assert list(target.iterdir()) == []
+            with pytest.raises(PermissionError, match="kernel's proc filesystem"):
+                await environment.download_file("/logs/agent/keys", tmp_path / "keys")
 
     run(scenario)
 

@@ -11,6 +11,9 @@ root. Every host access to them goes through this module:
   refusing any link on the way (``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``);
 - :func:`open_regular` opens a file for reading only once it is known to be a regular
   file, so a FIFO, a device or a socket is never opened for reading;
+- :func:`kernel_filesystem` names the kernel's own filesystems (``/proc`` and its
+  kin), whose files the host must not read for a trial: read with the host's
+  credentials they say more than the trial may know (``/proc/keys``, ``kallsyms``);
 - :func:`read_beneath` and :func:`read_tail` read such a file with a size bound;
 - :func:`replace_beneath` writes a file under a temporary name and renames it into
   place, so a link already there is replaced, never written through;
@@ -32,6 +35,7 @@ from pathlib import Path
 
 __all__ = [
     "FileTooLarge",
+    "kernel_filesystem",
     "link_stays_inside",
     "open_beneath",
     "open_in_root",
@@ -57,6 +61,16 @@ _IN_ROOT = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS
 READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
+# linux/magic.h: filesystems whose files are the kernel's, not a trial's data.
+KERNEL_FILESYSTEMS = {
+    0x9FA0: "proc", 0x62656572: "sysfs", 0x27E0EB: "cgroup", 0x63677270: "cgroup2",
+    0x64626720: "debugfs", 0x74726163: "tracefs", 0x73636673: "securityfs",
+    0xCAFE4A11: "bpf", 0x62656570: "configfs", 0xDE5E81E4: "efivarfs",
+    0x6165676C: "pstore", 0xF97CFF8C: "selinuxfs", 0x42494E4D: "binfmt_misc",
+    0x1CD1: "devpts", 0x65735543: "fusectl",
+}
+
+
 class FileTooLarge(OSError):
     """A file is larger than the bound its reader allowed."""
 
@@ -69,6 +83,17 @@ class _OpenHow(ctypes.Structure):
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
+_fstatfs = _libc.fstatfs
+_fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+
+
+def kernel_filesystem(fd: int) -> str | None:
+    """The name of the kernel filesystem ``fd`` is on (``"proc"``...), or None."""
+    buffer = ctypes.create_string_buffer(512)  # struct statfs, f_type first
+    if _fstatfs(fd, buffer) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return KERNEL_FILESYSTEMS.get(ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF)
 
 
 def openat2(dirfd: int, path: str, flags: int, resolve: int, mode: int = 0) -> int:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wmo_trio.sandbox._hostfs import (
+    kernel_filesystem,
     link_stays_inside,
     make_dir_beneath,
     open_beneath,
@@ -59,6 +60,8 @@ MAX_RELATIVE_PATH = 2048
 LISTED_LEFT_OUT = 10
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY
+# Read with the host's credentials, such files say more than the trial may know.
+_KERNEL_FILE = "it is on the kernel's {} filesystem, which the host does not read for a trial"
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,9 @@ def _copy_file(source_dir: int, name: str, target_dir: int, budget: _Budget,
     if fd is None:
         return "it changed while it was copied"  # no longer a regular file
     try:
+        kernel = kernel_filesystem(fd)
+        if kernel is not None:
+            return _KERNEL_FILE.format(kernel)
         info = os.fstat(fd)
         if limit is not None and info.st_size > limit:
             return f"{info.st_size:,} bytes, more than the download cap allows"
@@ -278,6 +284,10 @@ class _Download:
             return
         target = -1
         try:
+            kernel = kernel_filesystem(source)
+            if kernel is not None:
+                self.outcome.left_out.append((relative or ".", _KERNEL_FILE.format(kernel)))
+                return
             if self.select is None:  # every directory comes out, empty ones too
                 target = _open_tree(target_top, relative)
             with os.scandir(source) as entries:
@@ -388,6 +398,9 @@ async def download_file(open_root: Callable[[], int], source: str, target: Path,
         if fd is None:
             raise FileNotFoundError(f"cannot download {source}: not a regular file")
         try:
+            kernel = kernel_filesystem(fd)
+            if kernel is not None:
+                raise PermissionError(f"cannot download {source}: {_KERNEL_FILE.format(kernel)}")
             info = os.fstat(fd)
             if not budget.take(_blocks(info.st_size)):
                 raise TransferIncomplete(
