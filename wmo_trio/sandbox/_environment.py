@@ -75,12 +75,12 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
     - ``--ek state_dir=...`` (default ``$TMPDIR/wmo-trio-sandbox``) holds trials' upper
       directories, ``--ek cache_dir=...`` (default ``~/.cache/wmo-trio/sandbox``) the
       built images, ``--ek build_args='{"NAME": "value"}'`` sets ``ARG`` values.
+      ``stop(delete=False)`` keeps the trial's upper directories for inspection.
     - Files are copied in and out by this process, never by a program of the trial's
       root. A copy out keeps links only when they stay inside the copied directory and
       is bounded: ``--ek download_limit_mb=...`` (default 1024, holes counted) and
       ``--ek download_timeout_sec=...`` (default 300) per download; what fits is
       copied, then one error says what was left out.
-      ``stop(delete=False)`` keeps the trial's upper directories for inspection.
     """
 
     def __init__(
