@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 import hashlib
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from harbor.environments.capabilities import (
 from harbor.environments.definition import require_agent_environment_definition
 from harbor.models.task.config import NetworkMode
 from harbor.models.trial.config import ResourceMode
+from harbor.utils.path_filter import filter_paths_by_patterns
 
 from wmo_trio.sandbox import _transfer
 from wmo_trio.sandbox._cgroup import Limits, host_cgroups, remove_stale_cgroups
@@ -74,6 +76,11 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
       directories, ``--ek cache_dir=...`` (default ``~/.cache/wmo-trio/sandbox``) the
       built images, ``--ek build_args='{"NAME": "value"}'`` sets ``ARG`` values.
       ``stop(delete=False)`` keeps the trial's upper directories for inspection.
+    - Files are copied in and out by this process, never by a program of the trial's
+      root. A copy out keeps links only when they stay inside the copied directory and
+      is bounded: ``--ek download_limit_mb=...`` (default 1024, holes counted) and
+      ``--ek download_timeout_sec=...`` (default 300) per download; what fits is
+      copied, then one error says what was left out.
     """
 
     def __init__(
@@ -82,8 +89,16 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         state_dir: str | Path | None = None,
         cache_dir: str | Path | None = None,
         build_args: Mapping[str, str] | str | None = None,
+        download_limit_mb: float | str | None = None,
+        download_timeout_sec: float | str | None = None,
         **kwargs: Any,
     ) -> None:
+        self._transfer_limits = _transfer.TransferLimits(
+            max_bytes=int(_positive("download_limit_mb", download_limit_mb,
+                                    _transfer.DEFAULT_DOWNLOAD_LIMIT_MB) * (1 << 20)),
+            timeout_sec=_positive("download_timeout_sec", download_timeout_sec,
+                                  _transfer.DEFAULT_DOWNLOAD_TIMEOUT_SEC),
+        )
         self._state_root = Path(state_dir) if state_dir else default_state_root()
         self._cache = ImageCache(Path(cache_dir) if cache_dir else default_cache_dir())
         if isinstance(build_args, str):
@@ -413,23 +428,74 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
         """Copy a host file into the trial, owned by root, mode kept. A target that is
         a directory (or ends with ``/``) receives the file under its own name."""
-        await _transfer.upload_file(self._require_sandbox().channel, Path(source_path),
+        await _transfer.upload_file(self._require_sandbox().open_root, Path(source_path),
                                     target_path)
 
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
         """Copy a host directory's contents into ``target_dir`` (created if needed),
         owned by root, modes kept."""
-        await _transfer.upload_dir(self._require_sandbox().channel, Path(source_dir), target_dir)
+        await _transfer.upload_dir(self._require_sandbox().open_root, Path(source_dir),
+                                   target_dir)
 
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
-        """Copy a file out of the trial; the host copy belongs to harbor's user."""
-        await _transfer.download_file(self._require_sandbox().channel, source_path,
-                                      Path(target_path))
+        """Copy a file out of the trial (within the download limits); the host copy
+        belongs to harbor's user."""
+        await _transfer.download_file(self._require_sandbox().open_root, source_path,
+                                      Path(target_path), self._transfer_limits)
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
-        """Copy a directory's contents out of the trial into ``target_dir``."""
-        await _transfer.download_dir(self._require_sandbox().channel, source_dir,
-                                     Path(target_dir))
+        """Copy a directory's contents out of the trial into ``target_dir``: what fits
+        the download limits, then ``TransferIncomplete`` if anything was left out."""
+        await self._download(source_dir, target_dir)
+
+    async def download_dir_with_exclusions(self, *, source_dir: str, target_dir: Path | str,
+                                           exclude: list[str]) -> None:
+        """``download_dir`` without the entries ``exclude`` matches (as tar's
+        ``--exclude`` does: any trailing part of a path, a directory with its contents)."""
+        await self._download(source_dir, target_dir,
+                             exclude=lambda path: _tar_excluded(path, exclude))
+
+    async def download_dir_filtered(
+        self, *, source_dir: str, target_dir: Path | str,
+        include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
+        protect: Sequence[str] | None = None,
+    ) -> None:
+        """The regular files of ``source_dir`` that harbor's include and exclude
+        patterns select, and the ``protect`` paths whatever they say."""
+
+        def select(path: str) -> bool:
+            return path in (protect or ()) or bool(
+                filter_paths_by_patterns([path], include=include, exclude=exclude))
+
+        await self._download(source_dir, target_dir, select=select)
+
+    async def _download(self, source_dir: str, target_dir: Path | str,
+                        **options: Any) -> None:
+        outcome = await _transfer.download_dir(self._require_sandbox().open_root, source_dir,
+                                               Path(target_dir), self._transfer_limits,
+                                               **options)
+        warning = outcome.warning()
+        if warning is not None:
+            self.logger.warning(warning)
+        outcome.check()
+
+
+def _positive(name: str, value: float | str | None, default: float) -> float:
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number > 0 or number == float("inf"):
+        raise ValueError(f"{name} must be a positive number, not {value!r}")
+    return number
+
+
+def _tar_excluded(path: str, patterns: Sequence[str]) -> bool:
+    parts = path.split("/")
+    return any(fnmatch.fnmatchcase("/".join(parts[index:]), pattern.strip("/"))
+               for index in range(len(parts)) for pattern in patterns)
 
 
 def _job_sources(config_path: Path) -> list[Path]:

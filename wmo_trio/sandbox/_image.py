@@ -37,6 +37,7 @@ from wmo_trio.sandbox._dockerfile import (
     final_stage,
     read,
 )
+from wmo_trio.sandbox._hostfs import FileTooLarge, read_beneath, remove_beneath
 from wmo_trio.sandbox._namespace import (
     DEFAULT_PATH,
     Sandbox,
@@ -235,10 +236,7 @@ class ImageCache:
                     await builder.step(instruction)
             finally:
                 await sandbox.stop()
-            for name, text in NETWORK_ETC_FILES.items():
-                written = sandbox.upper / "etc" / name
-                if written.is_file() and written.read_text() == text:
-                    written.unlink()
+            await asyncio.to_thread(_drop_network_files, sandbox.upper)
             record = {"task": task_name, "built_at": started, "seconds": time.time() - started,
                       "config": asdict(builder.config)}
             await asyncio.to_thread(_commit, state, sandbox.upper, target, record)
@@ -296,6 +294,20 @@ class ImageCache:
         for stale in self.root.glob("host/*"):
             remove_tree(stale)  # rebuilt on next use in a few milliseconds
         return removed
+
+
+def _drop_network_files(upper: Path) -> None:
+    """Remove the build's own network files from its layer, unless a step replaced
+    them. The build wrote that directory: nothing there is followed or read unbounded
+    (a ``resolv.conf`` linked to ``/proc/kmsg`` would block a plain read for good)."""
+    for name, text in NETWORK_ETC_FILES.items():
+        relative = f"etc/{name}"
+        try:
+            written = read_beneath(upper, relative, limit=len(text.encode()))
+        except FileTooLarge:
+            continue
+        if written == text.encode():
+            remove_beneath(upper, relative)
 
 
 def _commit(state: StateDir, layer: Path, target: Path, record: dict[str, Any]) -> None:

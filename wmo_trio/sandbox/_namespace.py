@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from wmo_trio.sandbox._cgroup import Limits, TrialCgroup
+from wmo_trio.sandbox._hostfs import read_tail
 from wmo_trio.sandbox._processes import Channel, wait_readable
 from wmo_trio.sandbox._rootfs import HostLayers, make_hiding_layer
 
@@ -39,6 +41,7 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 START_TIMEOUT_SEC = 120.0
 STOP_TIMEOUT_SEC = 10.0
 LAUNCH_ATTEMPTS = 3
+LAUNCH_LOG_TAIL = 64 << 10
 HELPER = Path(__file__).with_name("_helper.py")
 # Docker's default capability set, less CAP_MKNOD: without a device cgroup, a device
 # node made inside could open the host's disks.
@@ -191,6 +194,8 @@ class Sandbox:
     network_exit_fd: int | None = None
     cgroup: TrialCgroup | None = None
     stopped: bool = field(default=False)
+    # Names the helper itself, never a later process given its pid.
+    helper_pidfd: int = -1
 
     @property
     def upper(self) -> Path:
@@ -285,8 +290,12 @@ class Sandbox:
             theirs.close()
             channel = Channel(ours)
             helper_pid = await _read_child_pid(info_read, process, state)
+            try:
+                helper_pidfd = os.pidfd_open(helper_pid)
+            except ProcessLookupError:
+                raise unavailable(await _launch_failure(process, state)) from None
             sandbox = cls(process=process, channel=channel, helper_pid=helper_pid, state=state,
-                          cgroup=cgroup)
+                          cgroup=cgroup, helper_pidfd=helper_pidfd)
             if network:
                 await sandbox._start_network()
             try:
@@ -318,6 +327,20 @@ class Sandbox:
                 if fd >= 0:
                     with contextlib.suppress(OSError):
                         os.close(fd)
+
+    def open_root(self) -> int:
+        """A descriptor of the sandbox's root as its processes see it, mounts included
+        (see ``_hostfs`` for how to walk it). Raises ``RuntimeError`` once the sandbox
+        is stopped or its helper is gone."""
+        if self.stopped or self.helper_pidfd < 0:
+            raise RuntimeError("the sandbox is stopped")
+        fd = os.open(f"/proc/{self.helper_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        # Checked after the open: had the helper died before it, its pid may have named
+        # another process, whose root this would be.
+        if select.select([self.helper_pidfd], [], [], 0)[0]:
+            os.close(fd)
+            raise RuntimeError("the sandbox's processes are gone")
+        return fd
 
     async def _start_network(self) -> None:
         ready_read, ready_write = os.pipe()
@@ -354,6 +377,9 @@ class Sandbox:
         if self.stopped:
             return
         self.stopped = True
+        if self.helper_pidfd >= 0:
+            os.close(self.helper_pidfd)
+            self.helper_pidfd = -1
         await self.channel.close()
         await _end(self.process)
         if self.network_exit_fd is not None:
@@ -438,7 +464,9 @@ async def _launch_failure(process: asyncio.subprocess.Process, state: StateDir) 
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(STOP_TIMEOUT_SEC):
             await process.wait()
-    lines = (state.path / "launch.log").read_text(errors="replace").strip().splitlines()
+    # The sandbox's processes can write to this log: only its tail is read.
+    tail = await asyncio.to_thread(read_tail, state.path / "launch.log", LAUNCH_LOG_TAIL)
+    lines = tail.decode(errors="replace").strip().splitlines()
     return "the sandbox did not start: " + (lines[-1] if lines else "no error was printed")
 
 

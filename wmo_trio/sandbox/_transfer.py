@@ -1,112 +1,576 @@
-"""Copying files and directories in and out of a sandbox.
+"""Copying files and directories in and out of a sandbox, by the host alone.
 
-Every copy runs inside the sandbox (``cat`` or ``tar``) with a host file descriptor as
-its stdin or stdout, so paths are resolved against the sandbox's root: a symlink a task
-planted cannot make harbor read or write a host file.
+No program of the trial's root takes part: a trial may have replaced its ``tar``,
+``cat`` or ``sh``. The host reaches the trial's files through its root
+(``/proc/<helper>/root``, its mounts included) with the rules of
+:mod:`wmo_trio.sandbox._hostfs`: a path harbor names is resolved as the trial sees it,
+clamped inside its root; below it no link is followed. A copy out writes beneath its
+target only, never through a link, with modes stripped of setuid and setgid bits,
+owned by harbor's user. It keeps links as links only when they stay inside the copied
+tree, and is bounded in size and time (:class:`TransferLimits`): what fits is copied,
+then :class:`TransferIncomplete` says what was left out.
+
+Copies run in a worker thread; a cancelled copy stops at its next file or chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import errno
 import os
-import tarfile
-import tempfile
-import uuid
+import posixpath
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
-from harbor.environments.base import transfer_tar_filter
+from wmo_trio.sandbox._hostfs import (
+    kernel_filesystem,
+    link_stays_inside,
+    make_dir_beneath,
+    open_beneath,
+    open_in_root,
+    open_regular,
+    replace_beneath,
+    replace_link_beneath,
+    safe_mode,
+)
 
-from wmo_trio.sandbox._namespace import DEFAULT_PATH
-from wmo_trio.sandbox._processes import Channel, Completed
+__all__ = [
+    "DEFAULT_DOWNLOAD_LIMIT_MB",
+    "DEFAULT_DOWNLOAD_TIMEOUT_SEC",
+    "TransferIncomplete",
+    "TransferLimits",
+    "download_dir",
+    "download_file",
+    "upload_dir",
+    "upload_file",
+]
 
-__all__ = ["download_dir", "download_file", "upload_dir", "upload_file"]
-
-_ENV = {"PATH": DEFAULT_PATH}
-
-
-def _check(completed: Completed, action: str) -> None:
-    if completed.return_code != 0:
-        detail = completed.stderr.decode(errors="replace").strip() or "no output"
-        if completed.return_code == 2 and detail.startswith("no such "):
-            raise FileNotFoundError(f"cannot {action}: {detail}")
-        raise RuntimeError(f"cannot {action} (exit {completed.return_code}): {detail}")
-
-
-async def upload_file(channel: Channel, source: Path, target: str) -> None:
-    """Copy a host file in, owned by root, mode kept. A target that is a directory (or
-    ends with ``/``) receives the file under its own name."""
-    script = (
-        't=$1; case $t in */) mkdir -p -- "$t"; t=$t$2;; *) '
-        'if [ -d "$t" ]; then t=$t/$2; else mkdir -p -- "$(dirname -- "$t")"; fi;; '
-        'esac; cat > "$t" && chmod "$3" "$t"'
-    )
-    with source.open("rb") as handle:
-        mode = os.fstat(handle.fileno()).st_mode & 0o7777
-        completed = await channel.run(["sh", "-c", script, "sh", target, source.name, f"{mode:o}"],
-                                      env=_ENV, cwd="/", stdin=handle)
-    _check(completed, f"upload {source} to {target}")
-
-
-def _root_owned(member: tarfile.TarInfo) -> tarfile.TarInfo:
-    member.uid = member.gid = 0
-    member.uname = member.gname = "root"
-    return member
+DEFAULT_DOWNLOAD_LIMIT_MB = 1024
+DEFAULT_DOWNLOAD_TIMEOUT_SEC = 300.0
+# Each entry costs at least a block: a million empty files fill a disk's inodes.
+BLOCK = 4096
+CHUNK = 1 << 20
+# A host path must stay usable by harbor's path-based code (PATH_MAX is 4096 bytes).
+MAX_RELATIVE_PATH = 2048
+LISTED_LEFT_OUT = 10
+_GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY
+# Read with the host's credentials, such files say more than the trial may know.
+_KERNEL_FILE = "it is on the kernel's {} filesystem, which the host does not read for a trial"
 
 
-def _pack_dir(source: Path, bundle: IO[bytes]) -> None:
-    with tarfile.open(fileobj=bundle, mode="w", format=tarfile.PAX_FORMAT) as archive:
-        for entry in sorted(source.iterdir()):
-            archive.add(entry, arcname=entry.name, filter=_root_owned)
+@dataclass(frozen=True)
+class TransferLimits:
+    """Bounds of one copy out of a sandbox: its size (each file's length rounded up to
+    whole 4 KiB blocks, holes included, each directory and link one block) and its
+    duration."""
+
+    max_bytes: int = DEFAULT_DOWNLOAD_LIMIT_MB << 20
+    timeout_sec: float = DEFAULT_DOWNLOAD_TIMEOUT_SEC
 
 
-async def upload_dir(channel: Channel, source: Path, target: str) -> None:
-    """Copy a host directory's contents into ``target`` (created if needed), owned by
-    root, modes kept."""
-    if not await asyncio.to_thread(source.is_dir):
-        raise FileNotFoundError(f"{source} is not a directory")
-    with tempfile.TemporaryFile() as bundle:
-        await asyncio.to_thread(_pack_dir, source, bundle)
-        bundle.seek(0)
-        completed = await channel.run(
-            ["sh", "-c", 'mkdir -p -- "$1" && exec tar -xf - -C "$1"', "sh", target],
-            env=_ENV, cwd="/", stdin=bundle,
-        )
-    _check(completed, f"upload {source} to {target}")
+class TransferIncomplete(RuntimeError):
+    """A copy left something out: the message says what, why, and how to raise the
+    bound. Whatever fitted was copied."""
 
 
-async def download_file(channel: Channel, source: str, target: Path) -> None:
-    """Copy a file out; the host copy belongs to harbor's user."""
-    await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}.part")
+class _Stopped(Exception):
+    pass
+
+
+class _Budget:
+    def __init__(self, limits: TransferLimits | None, cancelled: threading.Event) -> None:
+        self.limits = limits
+        self.deadline = None if limits is None else time.monotonic() + limits.timeout_sec
+        self.cancelled = cancelled
+        self.used = 0
+
+    def check(self) -> None:
+        if self.cancelled.is_set():
+            raise _Stopped("cancelled")
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise _Stopped("time")
+
+    def fits(self, cost: int) -> bool:
+        return self.limits is None or self.used + cost <= self.limits.max_bytes
+
+    def take(self, cost: int) -> bool:
+        if not self.fits(cost):
+            return False
+        self.used += cost
+        return True
+
+
+@dataclass
+class Outcome:
+    """What a copy out did: what it copied, left out and did not recreate."""
+
+    source: str
+    target: Path
+    limits: TransferLimits
+    files: int = 0
+    left_out: list[tuple[str, str]] = field(default_factory=list)
+    dropped_links: list[tuple[str, str]] = field(default_factory=list)
+    stopped: str | None = None
+
+    def check(self) -> None:
+        """Raise :class:`TransferIncomplete` if anything was left out."""
+        if not self.left_out and self.stopped is None:
+            return
+        parts = []
+        if self.left_out:
+            shown = "; ".join(f"{path} ({why})" for path, why in self.left_out[:LISTED_LEFT_OUT])
+            more = len(self.left_out) - LISTED_LEFT_OUT
+            parts.append(f"left out {len(self.left_out)} entr"
+                         f"{'y' if len(self.left_out) == 1 else 'ies'}: {shown}"
+                         + (f"; and {more} more" if more > 0 else ""))
+        if self.stopped == "time":
+            parts.append(f"stopped at its time limit of {self.limits.timeout_sec:g} s, so "
+                         "what it had not reached was not copied (raise it with "
+                         "--ek download_timeout_sec=N)")
+        elif self.stopped == "cap":
+            parts.append("stopped once the download cap was full, so what it had not "
+                         "reached was not copied")
+        if any("download cap" in why for _, why in self.left_out) or self.stopped == "cap":
+            parts.append(f"the cap is {self.limits.max_bytes >> 20} MB per download (raise "
+                         "it with --ek download_limit_mb=N)")
+        raise TransferIncomplete(
+            f"download of {self.source} into {self.target} "
+            + "; ".join(parts) + f"; {self.files} files were copied")
+
+    def warning(self) -> str | None:
+        """One line naming the links that were not recreated, if any."""
+        if not self.dropped_links:
+            return None
+        shown = ", ".join(f"{path} -> {target}"
+                          for path, target in self.dropped_links[:LISTED_LEFT_OUT])
+        more = len(self.dropped_links) - LISTED_LEFT_OUT
+        return (f"download of {self.source}: {len(self.dropped_links)} link(s) pointing "
+                f"outside the copied directory were not created: {shown}"
+                + (f" and {more} more" if more > 0 else ""))
+
+
+async def _in_thread(function: Callable[[], None], *, cancelled: threading.Event) -> None:
     try:
-        with partial.open("wb") as handle:
-            completed = await channel.run(
-                ["sh", "-c", '[ -f "$1" ] || { echo "no such file: $1" >&2; exit 2; }; '
-                 'exec cat -- "$1"', "sh", source],
-                env=_ENV, cwd="/", stdout=handle,
-            )
-        _check(completed, f"download {source}")
-        partial.replace(target)
+        await asyncio.to_thread(function)
+    except asyncio.CancelledError:
+        cancelled.set()  # the thread stops at its next check
+        raise
+
+
+def _blocks(size: int) -> int:
+    return max(BLOCK, -(-size // BLOCK) * BLOCK)
+
+
+def _copy_data(source_fd: int, target_fd: int, size: int, budget: _Budget) -> None:
+    """Copy at most ``size`` bytes (a file growing meanwhile is cut where it was)."""
+    offset = 0
+    while offset < size:
+        budget.check()
+        count = min(CHUNK, size - offset)
+        try:
+            sent = os.sendfile(target_fd, source_fd, offset, count)
+        except OSError as error:
+            if error.errno not in (errno.EINVAL, errno.ENOSYS):
+                raise
+            chunk = os.pread(source_fd, count, offset)
+            sent = len(chunk)
+            os.write(target_fd, chunk)
+        if sent == 0:
+            break
+        offset += sent
+
+
+def _copy_file(source_dir: int, name: str, target_dir: int, budget: _Budget,
+               limit: int | None) -> str | None:
+    """Copy the regular file ``name``; why it was not copied, or None."""
+    try:
+        path_fd = open_beneath(source_dir, name, os.O_PATH)
+    except OSError as error:
+        if error.errno in _GONE:
+            return "it changed while it was copied"
+        raise
+    try:
+        fd = open_regular(path_fd)
     finally:
-        partial.unlink(missing_ok=True)
+        os.close(path_fd)
+    if fd is None:
+        return "it changed while it was copied"  # no longer a regular file
+    try:
+        kernel = kernel_filesystem(fd)
+        if kernel is not None:
+            return _KERNEL_FILE.format(kernel)
+        info = os.fstat(fd)
+        if limit is not None and info.st_size > limit:
+            return f"{info.st_size:,} bytes, more than the download cap allows"
+        if not budget.take(_blocks(info.st_size)):
+            return f"{info.st_size:,} bytes, over what the download cap had left"
+
+        def write(target_fd: int) -> None:
+            _copy_data(fd, target_fd, info.st_size, budget)
+            os.utime(target_fd, ns=(info.st_atime_ns, info.st_mtime_ns))
+
+        try:
+            replace_beneath(target_dir, name, write, safe_mode(info.st_mode))
+        except IsADirectoryError:
+            return "a directory of that name is on the host"
+        return None
+    finally:
+        os.close(fd)
 
 
-def _unpack(bundle: IO[bytes], target: Path) -> None:
-    bundle.seek(0)
-    with tarfile.open(fileobj=bundle, mode="r:") as archive:
-        archive.extractall(target, filter=transfer_tar_filter)
+def _open_tree(target_top: int, relative: str) -> int:
+    """The host directory ``relative`` below the target, made (beneath it only, a link
+    there replaced) if needed."""
+    fd = os.dup(target_top)
+    for part in relative.split("/") if relative else ():
+        try:
+            child = make_dir_beneath(fd, part, 0o755)
+        finally:
+            os.close(fd)
+        fd = child
+    return fd
 
 
-async def download_dir(channel: Channel, source: str, target: Path) -> None:
-    """Copy a directory's contents out into ``target``, overwriting files there; the
-    host copies belong to harbor's user."""
-    await asyncio.to_thread(target.mkdir, parents=True, exist_ok=True)
-    with tempfile.TemporaryFile() as bundle:
-        completed = await channel.run(
-            ["sh", "-c", '[ -d "$1" ] || { echo "no such directory: $1" >&2; exit 2; }; '
-             'exec tar -cf - -C "$1" .', "sh", source],
-            env=_ENV, cwd="/", stdout=bundle,
-        )
-        _check(completed, f"download {source}")
-        await asyncio.to_thread(_unpack, bundle, target)
+class _Download:
+    """One directory copy out, breadth first (what is near the top comes first). With
+    ``select``, only the regular files it selects are copied, their directories made as
+    needed (harbor's filtered download); ``exclude`` prunes entries and directories
+    (tar's ``--exclude``)."""
+
+    def __init__(self, outcome: Outcome, budget: _Budget,
+                 exclude: Callable[[str], bool] | None,
+                 select: Callable[[str], bool] | None) -> None:
+        self.outcome = outcome
+        self.budget = budget
+        self.exclude = exclude
+        self.select = select
+        self.pending: collections.deque[str] = collections.deque([""])
+
+    def run(self, root_fd: int) -> None:
+        try:
+            source_top = open_in_root(root_fd, self.outcome.source, _DIR_FLAGS)
+        except OSError as error:
+            if error.errno in _GONE:
+                raise FileNotFoundError(f"no such directory: {self.outcome.source}") from None
+            raise
+        try:
+            self.outcome.target.mkdir(parents=True, exist_ok=True)
+            target_top = os.open(self.outcome.target, _DIR_FLAGS | os.O_CLOEXEC)
+            try:
+                while self.pending:
+                    self._directory(source_top, target_top, self.pending.popleft())
+            except _Stopped as stop:
+                if str(stop) == "cancelled":
+                    raise
+                self.outcome.stopped = str(stop)
+            finally:
+                os.close(target_top)
+        finally:
+            os.close(source_top)
+
+    def _directory(self, source_top: int, target_top: int, relative: str) -> None:
+        try:
+            source = open_beneath(source_top, relative or ".", _DIR_FLAGS)
+        except OSError as error:
+            if error.errno not in _GONE:
+                raise
+            self.outcome.left_out.append((relative, "it changed while it was copied"))
+            return
+        target = -1
+        try:
+            kernel = kernel_filesystem(source)
+            if kernel is not None:
+                self.outcome.left_out.append((relative or ".", _KERNEL_FILE.format(kernel)))
+                return
+            if self.select is None:  # every directory comes out, empty ones too
+                target = _open_tree(target_top, relative)
+            with os.scandir(source) as entries:
+                for entry in entries:
+                    self.budget.check()
+                    path = f"{relative}/{entry.name}" if relative else entry.name
+                    if self.exclude is not None and self.exclude(path):
+                        continue
+                    if len(os.fsencode(path)) > MAX_RELATIVE_PATH:
+                        self.outcome.left_out.append(
+                            (path[:80] + "...", f"its path is longer than {MAX_RELATIVE_PATH} bytes"))
+                        continue
+                    mode = entry.stat(follow_symlinks=False).st_mode
+                    if stat.S_ISDIR(mode):
+                        if self.select is None:
+                            self._take(BLOCK)
+                        self.pending.append(path)
+                    elif stat.S_ISLNK(mode) and self.select is None:
+                        self._link(source, target, entry.name, path)
+                    elif stat.S_ISREG(mode) and (self.select is None or self.select(path)):
+                        if not self.budget.fits(BLOCK):
+                            raise _Stopped("cap")
+                        if target < 0:
+                            target = _open_tree(target_top, relative)
+                        self._file(source, target, entry.name, path)
+                    # FIFOs, sockets and devices carry no content: skipped, as harbor's
+                    # own transfers skip them (and links, in a filtered download).
+        finally:
+            os.close(source)
+            if target >= 0:
+                os.close(target)
+
+    def _take(self, cost: int) -> None:
+        """Charge ``cost``; once it does not fit, the copy ends here."""
+        if not self.budget.take(cost):
+            raise _Stopped("cap")
+
+    def _link(self, source: int, target: int, name: str, path: str) -> None:
+        link = os.readlink(name, dir_fd=source)
+        if not link_stays_inside(path, link):
+            self.outcome.dropped_links.append((path, link))
+            return
+        self._take(BLOCK)
+        try:
+            replace_link_beneath(target, name, link)
+        except IsADirectoryError:
+            self.outcome.left_out.append((path, "a directory of that name is on the host"))
+
+    def _file(self, source: int, target: int, name: str, path: str) -> None:
+        limits = self.budget.limits
+        why = _copy_file(source, name, target, self.budget,
+                         limits.max_bytes if limits is not None else None)
+        if why is None:
+            self.outcome.files += 1
+        else:
+            self.outcome.left_out.append((path, why))
+
+
+async def download_dir(open_root: Callable[[], int], source: str, target: Path,
+                       limits: TransferLimits,
+                       exclude: Callable[[str], bool] | None = None,
+                       select: Callable[[str], bool] | None = None) -> Outcome:
+    """Copy the directory ``source`` of the trial into ``target`` (made if needed),
+    replacing files there. ``open_root`` gives a descriptor of the trial's root.
+
+    Raises ``FileNotFoundError`` if there is no such directory. The returned
+    :class:`Outcome` says what was left out (``Outcome.check`` raises for it) and
+    which links were not recreated (``Outcome.warning``).
+    """
+    cancelled = threading.Event()
+    outcome = Outcome(source=source, target=target, limits=limits)
+
+    def run() -> None:
+        root_fd = open_root()
+        try:
+            _Download(outcome, _Budget(limits, cancelled), exclude, select).run(root_fd)
+        finally:
+            os.close(root_fd)
+
+    await _in_thread(run, cancelled=cancelled)
+    return outcome
+
+
+async def download_file(open_root: Callable[[], int], source: str, target: Path,
+                        limits: TransferLimits) -> None:
+    """Copy the trial's file ``source`` (its links followed inside the trial's root)
+    to ``target``, making its parent directories; the host copy belongs to harbor's
+    user. Raises ``FileNotFoundError`` if there is no such regular file and
+    :class:`TransferIncomplete` if it does not fit the limits."""
+    cancelled = threading.Event()
+
+    def run() -> None:
+        budget = _Budget(limits, cancelled)
+        root_fd = open_root()
+        try:
+            try:
+                path_fd = open_in_root(root_fd, source, os.O_PATH)
+            except OSError as error:
+                if error.errno in _GONE:
+                    raise FileNotFoundError(f"cannot download {source}: no such file") from None
+                raise
+        finally:
+            os.close(root_fd)
+        try:
+            fd = open_regular(path_fd)
+        finally:
+            os.close(path_fd)
+        if fd is None:
+            raise FileNotFoundError(f"cannot download {source}: not a regular file")
+        try:
+            kernel = kernel_filesystem(fd)
+            if kernel is not None:
+                raise PermissionError(f"cannot download {source}: {_KERNEL_FILE.format(kernel)}")
+            info = os.fstat(fd)
+            if not budget.take(_blocks(info.st_size)):
+                raise TransferIncomplete(
+                    f"download of {source}: {info.st_size:,} bytes, over the download cap "
+                    f"of {limits.max_bytes >> 20} MB (raise it with --ek download_limit_mb=N)")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            parent = os.open(target.parent, _DIR_FLAGS | os.O_CLOEXEC)
+            try:
+                replace_beneath(parent, target.name,
+                                lambda out: _copy_data(fd, out, info.st_size, budget),
+                                safe_mode(info.st_mode))
+            finally:
+                os.close(parent)
+        except _Stopped as stop:
+            if str(stop) == "cancelled":
+                raise
+            raise TransferIncomplete(
+                f"download of {source} stopped at its time limit of {limits.timeout_sec:g} s "
+                "and was not copied (raise it with --ek download_timeout_sec=N)") from None
+        finally:
+            os.close(fd)
+
+    await _in_thread(run, cancelled=cancelled)
+
+
+# ---------------------------------------------------------------------- into the trial
+
+
+def _make_dirs_in_root(root_fd: int, path: str) -> int:
+    """``mkdir -p`` of ``path`` as the trial sees it (its links followed inside its
+    root); a descriptor of the directory. Directories made here are root's, mode 755."""
+    parts = [part for part in path.split("/") if part not in ("", ".")]
+    fd = open_in_root(root_fd, "/", _DIR_FLAGS)
+    for index, part in enumerate(parts):
+        prefix = "/".join(parts[: index + 1])
+        made = False
+        try:
+            child = open_in_root(root_fd, prefix, _DIR_FLAGS)
+        except FileNotFoundError:
+            try:
+                os.mkdir(part, 0o755, dir_fd=fd)
+                made = True
+            except FileExistsError:
+                pass
+            child = open_in_root(root_fd, prefix, _DIR_FLAGS)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        fd = child
+        if made:
+            os.fchmod(fd, 0o755)
+    return fd
+
+
+def _write_from(source_fd: int, size: int, mode: int, mtime_ns: int,
+                cancelled: threading.Event) -> Callable[[int], None]:
+    def write(target_fd: int) -> None:
+        _copy_data(source_fd, target_fd, size, _Budget(None, cancelled))
+        os.fchown(target_fd, 0, 0)
+        os.utime(target_fd, ns=(mtime_ns, mtime_ns))
+
+    return write
+
+
+async def upload_file(open_root: Callable[[], int], source: Path, target: str) -> None:
+    """Copy a host file in, owned by root, mode kept. A target that is a directory (or
+    ends with ``/``) receives the file under its own name; missing parent directories
+    are made."""
+    cancelled = threading.Event()
+
+    def run() -> None:
+        with source.open("rb") as handle:
+            info = os.fstat(handle.fileno())
+            root_fd = open_root()
+            try:
+                name = source.name
+                if target.endswith("/"):
+                    directory = _make_dirs_in_root(root_fd, target)
+                else:
+                    try:
+                        directory = open_in_root(root_fd, target, _DIR_FLAGS)
+                    except OSError as error:
+                        if error.errno not in (errno.ENOENT, errno.ENOTDIR):
+                            raise
+                        parent, name = posixpath.split(posixpath.normpath("/" + target))
+                        directory = _make_dirs_in_root(root_fd, parent)
+            finally:
+                os.close(root_fd)
+            try:
+                mode = stat.S_IMODE(info.st_mode)
+                replace_beneath(directory, name,
+                                _write_from(handle.fileno(), info.st_size, mode,
+                                            info.st_mtime_ns, cancelled), mode)
+            finally:
+                os.close(directory)
+
+    await _in_thread(run, cancelled=cancelled)
+
+
+def _upload_tree(source_top: int, target_top: int, cancelled: threading.Event) -> None:
+    pending: collections.deque[str] = collections.deque([""])
+    while pending:
+        relative = pending.popleft()
+        source = open_beneath(source_top, relative or ".", _DIR_FLAGS)
+        try:
+            target = open_beneath(target_top, relative or ".", _DIR_FLAGS)
+        except BaseException:
+            os.close(source)
+            raise
+        try:
+            with os.scandir(source) as entries:
+                for entry in sorted(entries, key=lambda e: e.name):
+                    if cancelled.is_set():
+                        raise _Stopped("cancelled")
+                    info = entry.stat(follow_symlinks=False)
+                    path = f"{relative}/{entry.name}" if relative else entry.name
+                    if stat.S_ISDIR(info.st_mode):
+                        made = make_dir_beneath(target, entry.name, 0o755)
+                        try:
+                            os.fchmod(made, stat.S_IMODE(info.st_mode))
+                            os.fchown(made, 0, 0)
+                        finally:
+                            os.close(made)
+                        pending.append(path)
+                    elif stat.S_ISLNK(info.st_mode):
+                        replace_link_beneath(target, entry.name,
+                                             os.readlink(entry.name, dir_fd=source))
+                    elif stat.S_ISREG(info.st_mode):
+                        path_fd = open_beneath(source, entry.name, os.O_PATH)
+                        try:
+                            fd = open_regular(path_fd)
+                        finally:
+                            os.close(path_fd)
+                        if fd is None:
+                            continue
+                        try:
+                            mode = stat.S_IMODE(info.st_mode)
+                            replace_beneath(target, entry.name,
+                                            _write_from(fd, info.st_size, mode,
+                                                        info.st_mtime_ns, cancelled), mode)
+                        finally:
+                            os.close(fd)
+        finally:
+            os.close(source)
+            os.close(target)
+
+
+async def upload_dir(open_root: Callable[[], int], source: Path, target: str) -> None:
+    """Copy a host directory's contents into ``target`` (made if needed), owned by
+    root, modes kept, replacing files there. Links in ``source`` are copied as links,
+    never followed."""
+    cancelled = threading.Event()
+
+    def run() -> None:
+        try:
+            source_top = os.open(source, _DIR_FLAGS | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileNotFoundError(f"{source} is not a directory") from None
+        try:
+            root_fd = open_root()
+            try:
+                target_top = _make_dirs_in_root(root_fd, target)
+            finally:
+                os.close(root_fd)
+            try:
+                _upload_tree(source_top, target_top, cancelled)
+            finally:
+                os.close(target_top)
+        finally:
+            os.close(source_top)
+
+    await _in_thread(run, cancelled=cancelled)
