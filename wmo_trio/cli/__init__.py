@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 
+from wmo_trio.cli._help import Command, Group
+
 if TYPE_CHECKING:
     from wmo_trio.harness import HarnessDoc
 
@@ -20,11 +22,13 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=Group,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
-doc_app = typer.Typer(help="Check harness documents.", no_args_is_help=True)
+doc_app = typer.Typer(help="Check harness documents.", no_args_is_help=True, cls=Group)
 app.add_typer(doc_app, name="doc")
 sandbox_app = typer.Typer(help="The docker-free environment's cache of built task images.",
-                          no_args_is_help=True)
+                          no_args_is_help=True, cls=Group)
 app.add_typer(sandbox_app, name="sandbox")
 
 # Tables stay readable when output goes to a file or a CI log.
@@ -35,12 +39,35 @@ BAD_INPUT = 2
 INFRASTRUCTURE_FAILURE = 1
 
 
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from wmo_trio import __version__
+
+        try:
+            harbor = f", harbor {version('harbor')}"
+        except PackageNotFoundError:
+            harbor = ""
+        sys.stdout.write(f"wmo-trio {__version__} (Python {sys.version.split()[0]}{harbor})\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[bool, typer.Option(
+        "--version", help="Print the versions of wmo-trio, Python and harbor, and exit.",
+        is_eager=True, callback=_print_version)] = False,
+) -> None:
+    """Run harness candidates as harbor agents on Trio, and read their traces."""
+
+
 def fail(message: str, code: int = BAD_INPUT) -> typer.Exit:
     errors.print(f"wmo-trio: {message}", markup=False, highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
-@app.command()
+@app.command(cls=Command)
 def run(
     path: Annotated[list[Path] | None, typer.Option(
         "-p", "--path", help="A harbor task directory or a directory of tasks (repeatable). "
@@ -50,7 +77,9 @@ def run(
     attempts: Annotated[int, typer.Option("-k", "--n-attempts", help="Attempts per task.")] = 1,
     jobs_dir: Annotated[Path, typer.Option("-o", "--jobs-dir", help="Where job directories go.")]
     = Path("jobs"),
-    job_name: Annotated[str | None, typer.Option("--job-name")] = None,
+    job_name: Annotated[str | None, typer.Option(
+        "--job-name", help="The job directory's name under --jobs-dir. Default: the start "
+        "time, as harbor names it (2026-01-31__14-05-09).")] = None,
     environment: Annotated[str | None, typer.Option(
         "-e", "--env", help="A harbor environment type or import path. Default: docker when a "
         "Docker daemon answers, else wmo_trio.harbor:LocalEnvironment.")] = None,
@@ -110,7 +139,7 @@ def run(
     console.print(f"job directory: {job_dir.resolve()}", highlight=False, soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=Command)
 def trace(
     path: Annotated[Path, typer.Argument(help="A wmo-run.json, a trial directory or a job "
                                          "directory.")],
@@ -149,10 +178,11 @@ def _printable(text: str) -> str:
 
 
 _NOTES_LISTED = 5
+DocFile = Annotated[Path, typer.Argument(help="A harness document (JSON).")]
 
 
-@doc_app.command("validate")
-def doc_validate(file: Path) -> None:
+@doc_app.command("validate", cls=Command)
+def doc_validate(file: DocFile) -> None:
     """Check a harness document against every rule; exit code 2 when it is invalid."""
     doc = _load_doc(file)
     # Written, not printed through rich: scripts read the hash, so the line never wraps.
@@ -168,8 +198,8 @@ def doc_validate(file: Path) -> None:
                      markup=False, highlight=False, soft_wrap=True)
 
 
-@doc_app.command("hash")
-def doc_hash(file: Path) -> None:
+@doc_app.command("hash", cls=Command)
+def doc_hash(file: DocFile) -> None:
     """Print the document's doc_hash."""
     sys.stdout.write(_load_doc(file).doc_hash + "\n")
 
@@ -179,7 +209,7 @@ CacheDir = Annotated[Path | None, typer.Option(
     "LocalEnvironment's cache_dir).")]
 
 
-@sandbox_app.command("images")
+@sandbox_app.command("images", cls=Command)
 def sandbox_images(cache_dir: CacheDir = None) -> None:
     """List the built task images: key, task, size, last use, whether a trial uses it."""
     from datetime import datetime
@@ -194,7 +224,7 @@ def sandbox_images(cache_dir: CacheDir = None) -> None:
     console.print(f"cache: {cache.root}", highlight=False)
 
 
-@sandbox_app.command("prune")
+@sandbox_app.command("prune", cls=Command)
 def sandbox_prune(
     cache_dir: CacheDir = None,
     older_than_days: Annotated[float | None, typer.Option(
