@@ -101,6 +101,8 @@ def run(
 ) -> None:
     """Run a harbor job with the wmo_trio agent, trio owning the loop (trio-asyncio)."""
     import trio
+    from rich.live import Live
+    from rich.spinner import Spinner
 
     from wmo_trio.cli._run import (
         BadInput,
@@ -109,6 +111,7 @@ def run(
         examples_dir,
         run_with_progress,
         scan_job,
+        summary_line,
         summary_table,
     )
 
@@ -126,16 +129,25 @@ def run(
         model=model, provider_settings=settings, episode_timeout=episode_timeout,
         command_timeout=command_timeout, backend=backend,
     )
-    try:
-        config = build_job_config(options)
-    except BadInput as error:
-        raise fail(str(error)) from None
+    refused: BadInput | None = None
+    # Loading harbor takes seconds the first time: say so at once rather than sit silent
+    # (a Live draws its first frame as it starts; rich's status waits for its first tick).
+    with Live(Spinner("dots", "loading harbor, checking the options and the harness "
+                      "document …"), console=console, transient=True):
+        try:
+            config = build_job_config(options)
+        except BadInput as error:
+            refused = error
+    if refused is not None:
+        raise fail(str(refused))
     try:
         job_dir = trio.run(run_with_progress, config, console)
     except Exception as error:  # the job itself broke: infrastructure, not the candidate
         raise fail(f"the job failed: {type(error).__name__}: {error}",
                    INFRASTRUCTURE_FAILURE) from error
-    console.print(summary_table(scan_job(job_dir)))
+    rows = scan_job(job_dir)
+    console.print(summary_table(rows, title=f"wmo-trio run: job {job_dir.name}"))
+    console.print(summary_line(rows), highlight=False, soft_wrap=True)
     console.print(f"job directory: {job_dir.resolve()}", highlight=False, soft_wrap=True)
 
 
