@@ -108,6 +108,19 @@ def test_an_indented_command_is_found(tmp_path: Path) -> None:
     assert [bool(_COMMAND.match(line)) for line in indented.body.splitlines()] == [True, True]
 
 
+def test_the_readmes_code_runtime_program_is_the_example_that_runs() -> None:
+    """The README shows a `code:runtime` program and runs `examples/code-runtime.json`: they
+    are one program, so what the README shows is what its command runs."""
+    import json
+
+    [shown] = [block.body for block in all_blocks(README)
+               if block.lang == "py" and block.body.startswith("def run(kit):")]
+    document = json.loads((ROOT / "examples" / "code-runtime.json").read_text())
+    [surface] = [s for s in document["surfaces"] if s["id"] == "code:runtime"]
+    assert shown == surface["content"]
+    assert any("--harness examples/code-runtime.json" in block.body for block in _TO_RUN)
+
+
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """What a user's working copy holds after `make demo`: the virtualenv and the files the
