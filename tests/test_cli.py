@@ -130,19 +130,38 @@ def test_the_demo_terminal_shows_one_display_and_says_what_it_waits_for(
 
 @pytest.mark.harbor
 def test_trace_shows_a_real_trial_step_by_step(
-    demo_job: tuple[subprocess.CompletedProcess[str], Path],
+    demo_job: tuple[TerminalRun, Path],
 ) -> None:
     _, job_dir = demo_job
     trial = next(job_dir.glob("hello-file__*"))
     completed = wmo_trio("trace", str(trial), cwd=ROOT)
     assert completed.returncode == 0, completed.stderr
-    assert "write_file(" in completed.stdout and "wrote /app/greeting.txt" in completed.stdout
-    assert "stop reason: submitted" in completed.stdout
+    out = completed.stdout
+    assert "I will write the file with the requested line." in out  # the model's text
+    assert "write_file /app/greeting.txt (20 characters)" in out and "wrote /app/greeting.txt" in out
+    assert "stop reason: submitted" in out
+    assert "reward: 1\n" in out  # from harbor's result.json beside the trace
+    assert re.search(r"usage: [\d,]+ input \(0 cached\), [\d,]+ output, 3 calls", out), out
+
+
+@pytest.mark.harbor
+def test_trace_prints_a_command_as_it_was_sent(demo_job: tuple[TerminalRun, Path]) -> None:
+    _, job_dir = demo_job
+    trial = next(job_dir.glob("proof-of-work__*"))
+    sent = json.loads((trial / "agent" / "wmo-run.json").read_text())["steps"][0]["action"][
+        "arguments"]["command"]
+    completed = wmo_trio("trace", str(trial), cwd=ROOT)
+    assert completed.returncode == 0, completed.stderr
+    # Every line of the command as the shell got it (its quoting was shown escaped twice).
+    for line in sent.splitlines():
+        assert line in completed.stdout, line
+    assert "\\'" not in completed.stdout
+    assert "reward: 0   exception: AgentTimeoutError" in completed.stdout
 
 
 @pytest.mark.harbor
 def test_trace_json_covers_every_trial_of_a_job(
-    demo_job: tuple[subprocess.CompletedProcess[str], Path],
+    demo_job: tuple[TerminalRun, Path],
 ) -> None:
     _, job_dir = demo_job
     completed = wmo_trio("trace", str(job_dir), "--json", cwd=ROOT)
@@ -150,8 +169,33 @@ def test_trace_json_covers_every_trial_of_a_job(
     traces = json.loads(completed.stdout)
     reasons = sorted(t["trace"]["stop_reason"] for t in traces)
     assert reasons == ["cancelled-by-harbor-timeout", "submitted", "submitted"]
+    assert sorted(t["reward"] for t in traces) == [0.0, 1.0, 1.0]
     partial = next(t["trace"] for t in traces if t["trace"].get("partial"))
     assert partial["worker_usage"]["calls"] >= 1
+
+
+@pytest.mark.harbor
+def test_trace_finds_the_traces_of_a_directory_of_jobs(demo_job: tuple[TerminalRun, Path]) -> None:
+    _, job_dir = demo_job
+    completed = wmo_trio("trace", str(job_dir.parent), cwd=ROOT)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.count("stop reason: ") == 3
+
+
+@pytest.mark.harbor
+@pytest.mark.parametrize("name", ["agent/trajectory.json", "result.json"])
+def test_trace_of_harbors_own_files_shows_the_trials_trace(
+    demo_job: tuple[TerminalRun, Path], name: str,
+) -> None:
+    """harbor's ATIF trajectory and its trial result are not traces: they were 136 and 31
+    lines of validation errors; the trace beside them is shown, with a note saying so."""
+    _, job_dir = demo_job
+    trial = next(job_dir.glob("hello-file__*"))
+    completed = wmo_trio("trace", str(trial / name), cwd=ROOT)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stderr.count("\n") == 1 and "showing the trace of its trial" in completed.stderr
+    assert f"{trial}/agent/wmo-run.json" in completed.stdout.replace("\n", "")
+    assert "stop reason: submitted" in completed.stdout
 
 
 def test_doc_hash_prints_the_example_documents_hash() -> None:

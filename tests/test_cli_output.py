@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import re
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -22,6 +23,8 @@ from wmo_trio.cli._run import (
     summary_line,
     summary_table,
 )
+from wmo_trio.models import Action, ActionKind, Observation, RunResult, Step, TokenUsage
+from wmo_trio.trace import write_trace
 
 runner = CliRunner()
 COMMANDS = [[], ["run"], ["trace"], ["doc", "validate"], ["doc", "hash"], ["sandbox", "images"],
@@ -117,3 +120,91 @@ def test_run_leaves_the_model_to_wmo_trio() -> None:
     finally:
         logging.getLogger().removeHandler(handler)
     assert not [r for r in records if "could not resolve model" in r.getMessage()]
+
+
+# -- wmo-trio trace --------------------------------------------------------------------------
+
+
+def _trace_file(where: Path, steps: list[Step], usage_calls: int = 1, **fields: object) -> Path:
+    trace = RunResult(task_id="t", steps=steps, stop_reason=fields.pop("stop_reason", "submitted"),
+                      answer=str(fields.pop("answer", "done")), turns=len(steps),
+                      worker_usage=TokenUsage(input_tokens=10, output_tokens=2, calls=usage_calls))
+    return write_trace(where, trace)
+
+
+def _step(name: str, arguments: dict[str, str], output: str, said: str = "") -> Step:
+    return Step(action=Action(kind=ActionKind.TOOL_CALL, name=name, arguments=arguments,
+                              content=said or None),
+                observation=Observation(content=output))
+
+
+def test_trace_says_one_call_not_one_calls(tmp_path: Path) -> None:
+    path = _trace_file(tmp_path, [_step("submit", {"answer": "done"}, "submitted")])
+    result = runner.invoke(app, ["trace", str(path)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.rstrip().endswith("2 output, 1 call")
+
+
+def test_a_trace_without_steps_says_why(tmp_path: Path) -> None:
+    """A code:runtime program that only called the model has no steps: an empty table."""
+    path = _trace_file(tmp_path, [], usage_calls=2, stop_reason="no_action", answer="")
+    result = runner.invoke(app, ["trace", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "no steps recorded: the episode ended (no_action) after 2 model calls, without " \
+        "calling a tool" in " ".join(result.stdout.split())
+
+
+def test_a_trials_text_cannot_drive_the_terminal(tmp_path: Path) -> None:
+    hostile = "\x1b]0;owned\x07\x1b[2J\u202eevil"
+    path = _trace_file(tmp_path, [_step("bash", {"command": "echo " + hostile}, hostile,
+                                        said=hostile)])
+    result = runner.invoke(app, ["trace", str(path)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.stdout and "\u202e" not in result.stdout
+    assert result.stdout.count("\\x1b]0;owned\\x07\\x1b[2J\\u202eevil") == 3
+
+
+@pytest.mark.parametrize("content", ['{"a": 1}', "[1, 2", '"text"'])
+def test_a_json_file_that_is_no_trace_is_one_line_exit_2(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "other.json"
+    path.write_text(content)
+    result = runner.invoke(app, ["trace", str(path)])
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"wmo-trio: {path} is not a wmo_trio trace")
+
+
+def test_trace_never_follows_a_link_a_trial_left(tmp_path: Path) -> None:
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"task_id": "host secret"}')
+    job = tmp_path / "job"
+    (job / "a__1" / "agent").mkdir(parents=True)
+    (job / "a__1" / "agent" / "wmo-run.json").symlink_to(secret)
+    _trace_file(job / "b__1" / "agent", [_step("bash", {"command": "true"}, "")])
+    result = runner.invoke(app, ["trace", str(job)])
+    assert result.exit_code == 0, result.output
+    assert "b__1" in result.stdout and "a__1" not in result.stdout
+
+
+def test_the_trace_names_its_trial_when_the_trace_says(tmp_path: Path) -> None:
+    """Traces gain their trial's identity (doc_hash, task and trial names, model, times);
+    older ones show their task id. Both read."""
+    from wmo_trio.cli._trace import identity_line
+
+    class Identified(RunResult):
+        doc_hash: str
+        task_name: str
+        trial_name: str
+        model: str
+        started_at: str
+        ended_at: str
+
+    trace = Identified(task_id="t", steps=[], stop_reason="submitted", turns=0,
+                       doc_hash="1b3cb3bea2d1a9acb923a2b2c5b4c0f0", task_name="hello-file",
+                       trial_name="hello-file__AbC", model="scripted/offline",
+                       started_at="2026-12-03T11:00:00Z", ended_at="2026-12-03T11:00:02.5Z")
+    assert identity_line(trace) == (
+        "trial hello-file__AbC · task hello-file · model scripted/offline · doc "
+        "1b3cb3bea2d1a9acb923a2b2c5b4c0f0 · started 2026-12-03 11:00:00 UTC · 2.5 s")
+    old = RunResult(task_id="8f1e", steps=[], stop_reason="submitted", turns=0)
+    assert identity_line(old) == "task id 8f1e"

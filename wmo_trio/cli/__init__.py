@@ -153,24 +153,31 @@ def run(
 
 @app.command(cls=Command)
 def trace(
-    path: Annotated[Path, typer.Argument(help="A wmo-run.json, a trial directory or a job "
-                                         "directory.")],
+    path: Annotated[Path, typer.Argument(help="A wmo-run.json, a trial directory, a job "
+                                         "directory or a directory of jobs.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
+    full: Annotated[bool, typer.Option("--full", help="Show every text, command and "
+                                       "observation whole.")] = False,
 ) -> None:
-    """Show episodes step by step: actions, shortened observations, stop reason, usage."""
+    """Show episodes step by step: the model's text, each action as sent, observations, stop
+    reason, the trial's reward and usage."""
     from wmo_trio.cli._run import BadInput
+    from wmo_trio.cli._trace import FULL, find, render
     from wmo_trio.cli._trace import as_json as to_json
-    from wmo_trio.cli._trace import find_traces, load, render
 
     try:
-        traces = [(found, load(found)) for found in find_traces(path)]
+        found = find(path)
     except BadInput as error:
         raise fail(str(error)) from None
+    for one in found:
+        if one.note:
+            errors.print(f"wmo-trio: {_printable(one.note)}", markup=False, highlight=False,
+                         soft_wrap=True)
     if as_json:
-        sys.stdout.write(to_json(traces) + "\n")
+        sys.stdout.write(to_json(found) + "\n")
         return
-    for found, one in traces:
-        render(one, found, console)
+    for one in found:
+        render(one, console, FULL if full else None)
 
 
 def _load_doc(file: Path) -> HarnessDoc:
