@@ -218,3 +218,12 @@ def test_the_trace_names_its_trial_when_the_trace_says(tmp_path: Path) -> None:
     if "task_id" in RunResult.model_fields:
         old = RunResult(task_id="8f1e", steps=[], stop_reason="submitted", turns=0)
         assert identity_line(old) == "task id 8f1e"
+
+
+def test_a_narrow_terminal_wraps_names_rather_than_cutting_them() -> None:
+    rows = [TrialRow("proof-of-work__LU8oB9K", "proof-of-work", done=True, reward=0.0,
+                     stop_reason="cancelled-by-harbor-timeout", exception="AgentTimeoutError")]
+    text = _text(summary_table(rows), width=80)
+    assert "…" not in text
+    assert "cancelled-by-harbor-timeout" in "".join(
+        line.split("│")[3].strip() for line in text.splitlines() if line.count("│") > 3)

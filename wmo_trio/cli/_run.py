@@ -295,7 +295,9 @@ class JobProgress:
 def summary_table(rows: list[TrialRow], title: str = "trials") -> Table:
     table = Table(title=title, show_header=True)
     for column in ("trial", "reward", "stop reason", "turns", "tokens", "seconds", "exception"):
-        table.add_column(column, justify="left" if column in ("trial", "stop reason") else "right")
+        # A narrow terminal wraps a name rather than cut it: trials are told apart by theirs.
+        table.add_column(column, justify="left" if column in ("trial", "stop reason") else "right",
+                         overflow="fold")
     for row in rows:
         table.add_row(
             row.name, "-" if row.reward is None else f"{row.reward:g}", row.stop_reason or "-",
