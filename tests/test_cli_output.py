@@ -193,6 +193,8 @@ def test_trace_never_follows_a_link_a_trial_left(tmp_path: Path) -> None:
     result = runner.invoke(app, ["trace", str(job)])
     assert result.exit_code == 0, result.output
     assert "b__1" in result.stdout and "a__1" not in result.stdout
+    trial = runner.invoke(app, ["trace", str(job / "a__1")])
+    assert trial.exit_code == 2 and "is a link" in trial.stderr and "host secret" not in trial.output
 
 
 def test_the_trace_names_its_trial_when_the_trace_says(tmp_path: Path) -> None:

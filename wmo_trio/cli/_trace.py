@@ -154,8 +154,10 @@ def find(path: Path) -> list[Found]:
         raise BadInput(f"{path} does not exist; pass a {TRACE_FILENAME}, a trial directory, "
                        "a job directory or a directory of jobs")
     for candidate in (path / TRACE_FILENAME, path / "agent" / TRACE_FILENAME):
+        if candidate.is_symlink():
+            raise BadInput(f"{candidate} is a link, which a trial may have made: not followed")
         if candidate.is_file():
-            return [Found(candidate, load(candidate), _trial_outcome(candidate))]
+            return [Found(candidate, load(candidate, follow=False), _trial_outcome(candidate))]
     for pattern in _SEARCHES:
         # A trial may leave a link where its trace should be: never followed.
         paths = sorted(p for p in path.glob(pattern) if not p.is_symlink() and p.is_file())
