@@ -229,3 +229,11 @@ def test_a_narrow_terminal_wraps_names_rather_than_cutting_them() -> None:
     assert "…" not in text
     assert "cancelled-by-harbor-timeout" in "".join(
         line.split("│")[3].strip() for line in text.splitlines() if line.count("│") > 3)
+
+
+def test_an_error_naming_a_hostile_path_is_one_safe_line(tmp_path: Path) -> None:
+    where = tmp_path / "job\x1b]0;owned\x07\nname"
+    result = runner.invoke(app, ["trace", str(where)])
+    assert result.exit_code == 2
+    assert "\x1b" not in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert "job\\x1b]0;owned\\x07\\nname does not exist" in result.stderr

@@ -63,7 +63,11 @@ def _options(
 
 
 def fail(message: str, code: int = BAD_INPUT) -> typer.Exit:
-    errors.print(f"wmo-trio: {message}", markup=False, highlight=False, soft_wrap=True)
+    from wmo_trio.cli._text import visible
+
+    # One line, whatever a path or a name in it holds.
+    shown = visible(message).replace("\n", "\\n")
+    errors.print(f"wmo-trio: {shown}", markup=False, highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -162,6 +166,7 @@ def trace(
     """Show episodes step by step: the model's text, each action as sent, observations, stop
     reason, the trial's reward and usage."""
     from wmo_trio.cli._run import BadInput
+    from wmo_trio.cli._text import visible
     from wmo_trio.cli._trace import FULL, find, render
     from wmo_trio.cli._trace import as_json as to_json
 
@@ -171,7 +176,7 @@ def trace(
         raise fail(str(error)) from None
     for one in found:
         if one.note:
-            errors.print(f"wmo-trio: {_printable(one.note)}", markup=False, highlight=False,
+            errors.print(f"wmo-trio: {visible(one.note)}", markup=False, highlight=False,
                          soft_wrap=True)
     if as_json:
         sys.stdout.write(to_json(found) + "\n")

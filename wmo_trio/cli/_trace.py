@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 from dataclasses import dataclass
 from datetime import datetime
@@ -22,6 +21,7 @@ from rich.rule import Rule
 from rich.text import Text
 
 from wmo_trio.cli._run import BadInput
+from wmo_trio.cli._text import visible
 from wmo_trio.models import ActionKind, Step
 from wmo_trio.trace import TRACE_FILENAME, PartialTrace, Trace, parse_trace
 
@@ -169,15 +169,6 @@ def find(path: Path) -> list[Found]:
 
 # -- rendering -------------------------------------------------------------------------------
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-
-
-def visible(text: str) -> str:
-    """`text` with every control character but newline and tab shown as an escape, so a
-    trial's output cannot move the cursor, retitle the terminal or reorder the line."""
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
-
-
 def clip(text: str, lines: int, chars: int) -> str:
     """At most `lines` lines and `chars` characters of `text`, saying what was left out."""
     kept = text.splitlines()[:lines]
@@ -279,7 +270,7 @@ def render(found: Found, console: Console, limits: Limits | None = None) -> None
     sent, the observation), how it ended, the trial's reward and the usage."""
     limits = limits or Limits()
     trace = found.trace
-    console.print(Rule(Text(str(found.path)), align="left"))
+    console.print(Rule(Text(visible(str(found.path))), align="left"))
     identity = identity_line(trace)
     if identity:
         console.print(Text(visible(identity), style="dim"))
