@@ -195,6 +195,21 @@ def test_trace_never_follows_a_link_a_trial_left(tmp_path: Path) -> None:
     assert "b__1" in result.stdout and "a__1" not in result.stdout
     trial = runner.invoke(app, ["trace", str(job / "a__1")])
     assert trial.exit_code == 2 and "is a link" in trial.stderr and "host secret" not in trial.output
+    (job / "c__1").symlink_to(job / "b__1")  # a linked trial directory is not entered either
+    again = runner.invoke(app, ["trace", str(job)])
+    assert "c__1" not in again.stdout and again.stdout.count("stop reason") == 1
+
+
+def test_one_unreadable_trace_among_many_is_skipped_and_said(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    _trace_file(job / "good__1" / "agent", [_step("bash", {"command": "true"}, "")])
+    (job / "cut__1" / "agent").mkdir(parents=True)
+    (job / "cut__1" / "agent" / "wmo-run.json").write_text('{"steps": [')
+    result = runner.invoke(app, ["trace", str(job)])
+    assert result.exit_code == 0, result.output
+    assert "good__1" in result.stdout
+    [line] = result.stderr.splitlines()
+    assert line.startswith("wmo-trio: skipped: ") and "cut__1" in line
 
 
 def test_the_trace_names_its_trial_when_the_trace_says(tmp_path: Path) -> None:

@@ -170,10 +170,14 @@ def trace(
     from wmo_trio.cli._trace import FULL, find, render
     from wmo_trio.cli._trace import as_json as to_json
 
+    problems: list[str] = []
     try:
-        found = find(path)
+        found = find(path, problems)
     except BadInput as error:
         raise fail(str(error)) from None
+    for problem in problems:
+        errors.print(f"wmo-trio: skipped: {visible(problem)}", markup=False, highlight=False,
+                     soft_wrap=True)
     for one in found:
         if one.note:
             errors.print(f"wmo-trio: {visible(one.note)}", markup=False, highlight=False,

@@ -145,9 +145,18 @@ def _one_file_or_none(path: Path) -> list[Found]:
     return [Found(path, load(path, follow=False), _trial_outcome(path))]
 
 
-def find(path: Path) -> list[Found]:
+def _no_link_below(root: Path, path: Path) -> bool:
+    """Whether nothing from `root` down to `path` is a link: a trial may leave one where
+    its trace, or its agent directory, should be, and it is never followed."""
+    return not any(part.is_symlink() for part in (path, *path.parents)
+                   if part.is_relative_to(root) and part != root)
+
+
+def find(path: Path, problems: list[str] | None = None) -> list[Found]:
     """The traces of a trace file (or another of harbor's files of a trial), a trial
-    directory, a job directory or a directory of jobs, each with its trial's outcome."""
+    directory, a job directory or a directory of jobs, each with its trial's outcome. In a
+    search over many, a trace that cannot be read is described in `problems` and skipped."""
+    problems = [] if problems is None else problems
     if path.is_file():
         return _one_file(path)
     if not path.is_dir():
@@ -159,10 +168,20 @@ def find(path: Path) -> list[Found]:
         if candidate.is_file():
             return [Found(candidate, load(candidate, follow=False), _trial_outcome(candidate))]
     for pattern in _SEARCHES:
-        # A trial may leave a link where its trace should be: never followed.
-        paths = sorted(p for p in path.glob(pattern) if not p.is_symlink() and p.is_file())
+        paths = sorted(p for p in path.glob(pattern) if _no_link_below(path, p) and p.is_file())
         if paths:
-            return [Found(p, load(p, follow=False), _trial_outcome(p)) for p in paths]
+            found: list[Found] = []
+            for trace_path in paths:
+                # One unreadable trace among many is reported, not the end of the listing.
+                try:
+                    found.append(Found(trace_path, load(trace_path, follow=False),
+                                       _trial_outcome(trace_path)))
+                except BadInput as error:
+                    problems.append(str(error))
+            if found:
+                return found
+            raise BadInput(problems.pop(0) + (f" (and {len(problems)} more traces like it)"
+                                              if problems else ""))
     raise BadInput(f"no {TRACE_FILENAME} in {path} or the two levels below it; is it a trial, "
                    "a job or a directory of jobs of a wmo_trio run?")
 
