@@ -208,7 +208,9 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [
             "",
             f"Real harbor job: {job['n']} trials of `hello-file` at `-n {job['n']}`, docker-free "
-            f"environment, {job['latency_s']:g} s per model call.",
+            f"environment, {job['latency_s']:g} s per model call"
+            + (" (quick run: the three jobs side by side, each row its own job's wall time "
+               "from their common start)." if job.get("side_by_side") else "."),
             "",
             "| agent / host | wall | mean agent phase | agent overhead per trial | mean reward |",
             "|---|---:|---:|---:|---:|",

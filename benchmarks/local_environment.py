@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import statistics
@@ -151,13 +150,15 @@ async def _job(n_trials: int, n_concurrent: int, scratch: Path) -> dict[str, Any
 
 def run(quick: bool) -> dict[str, Any]:
     """Measure and return the figures; ``quick`` shrinks every sample."""
+    from wmo_trio.harbor._job import harbor_progress_hidden
+
     with tempfile.TemporaryDirectory(prefix=f"bench-local-env-{uuid.uuid4().hex[:6]}-") as tmp:
         scratch = Path(tmp)
         (scratch / "start-stop").mkdir()
         (scratch / "job").mkdir()
         start_stop = asyncio.run(_start_stop(10 if quick else 50, scratch / "start-stop"))
-        # harbor draws its progress bar on stdout even when quiet; keep stdout for JSON.
-        with contextlib.redirect_stdout(sys.stderr):
+        # harbor draws its progress bar even when quiet: off, so no output carries it.
+        with harbor_progress_hidden():
             job = asyncio.run(_job(8 if quick else 64, 4 if quick else 16, scratch / "job"))
     phases = job["per_trial_phases"]
     return {

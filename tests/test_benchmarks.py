@@ -183,3 +183,24 @@ def test_messages_server_answers_pipelined_requests_in_order_after_the_delay() -
     assert [reply[:3] for reply in replies] == [b"200", b"200", b"401"]
     assert b'"name":"submit"' in replies[0] and b'"name":"bash"' in replies[1]
     assert elapsed >= 0.2  # no reply comes before its delay
+
+
+def test_jobs_side_by_side_each_get_their_own_wall_time(tmp_path: Path) -> None:
+    """A quick run starts the real-harbor-job scenario's three jobs together; each row shows
+    its own job's time, not the time the last of them took (every row read the same, ratio
+    1.00). Here `late` exits only after `early` is gone, and half a second later."""
+    from benchmarks.harbor_job import _run_side_by_side
+
+    pid_file = tmp_path / "early.pid"
+    early = [sys.executable, "-c", f"import os; open({str(pid_file)!r}, 'w').write(str(os.getpid()))"]
+    late = [sys.executable, "-c", (
+        "import os, time\n"
+        f"while not os.path.exists({str(pid_file)!r}) or not open({str(pid_file)!r}).read():\n"
+        "    time.sleep(0.01)\n"
+        f"pid = open({str(pid_file)!r}).read()\n"
+        "while os.path.exists(f'/proc/{pid}'):\n"
+        "    time.sleep(0.01)\n"
+        "time.sleep(0.5)\n")]
+    walls: dict[str, float] = {}
+    _run_side_by_side([("late", late), ("early", early)], dict(os.environ), walls)
+    assert 0 < walls["early"] < walls["late"], walls

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import re
+import struct
 import subprocess
 import sys
+import termios
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
+import pyte
 import pytest
 
 from wmo_trio.harness import load_harness
@@ -26,45 +33,135 @@ def wmo_trio(*args: str, cwd: Path, env: dict[str, str] | None = None,
                           timeout=timeout, env={**environment, **(env or {})})
 
 
+@dataclass
+class TerminalRun:
+    """A command run in a terminal: its exit code, what the terminal shows at its end, every
+    byte it wrote there (each frame of a live display), and its stderr (a pipe)."""
+
+    returncode: int
+    screen: str
+    written: str
+    stderr: str
+
+
+def wmo_trio_in_terminal(*args: str, cwd: Path, columns: int = 150,
+                         lines: int = 60) -> TerminalRun:
+    """`wmo-trio args` with its stdout on a pseudo-terminal, as a user at a terminal runs
+    it; the terminal's screen is kept by a terminal emulator (pyte)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", lines, columns, 0, 0))
+    environment = {k: v for k, v in os.environ.items() if k != "ANTHROPIC_API_KEY"}
+    environment.update(TERM="xterm-256color", COLUMNS=str(columns), LINES=str(lines))
+    process = subprocess.Popen([*CLI, *args], cwd=cwd, stdin=subprocess.DEVNULL, stdout=slave,
+                               stderr=subprocess.PIPE, env=environment)
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def read_terminal() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: every writer has closed the terminal
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=read_terminal)
+    reader.start()
+    try:
+        _, err = process.communicate(timeout=300)
+    finally:
+        process.kill()
+        reader.join()
+        os.close(master)
+    written = b"".join(chunks).decode("utf-8", "replace")
+    screen = pyte.Screen(columns, lines)
+    pyte.Stream(screen).feed(written)
+    return TerminalRun(process.returncode, "\n".join(line.rstrip() for line in screen.display),
+                       written, err.decode("utf-8", "replace"))
+
+
 @pytest.fixture(scope="module")
-def demo_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """The demo: `wmo-trio run` with every default, on the bundled tasks."""
+def demo_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[TerminalRun, Path]:
+    """The demo: `wmo-trio run` with every default, on the bundled tasks, in a terminal."""
     cwd = tmp_path_factory.mktemp("demo")
-    completed = wmo_trio("run", "-o", "jobs", "--job-name", "demo", cwd=cwd)
+    completed = wmo_trio_in_terminal("run", "-o", "jobs", "--job-name", "demo", cwd=cwd)
     return completed, cwd / "jobs" / "demo"
 
 
 @pytest.mark.harbor
 def test_the_demo_runs_the_bundled_tasks_and_ends_with_a_summary(
-    demo_job: tuple[subprocess.CompletedProcess[str], Path],
+    demo_job: tuple[TerminalRun, Path],
 ) -> None:
     completed, job_dir = demo_job
     assert completed.returncode == 0, completed.stderr
-    out = completed.stdout
-    for task in ("hello-file", "calc-package", "proof-of-work"):
-        assert task in out
+    out = completed.screen
     assert "submitted" in out and "AgentTimeoutError" in out
     assert f"job directory: {job_dir}" in out.replace("\n", "")
     results = [json.loads(p.read_text()) for p in job_dir.glob("*/result.json")]
     rewards = sorted(r["verifier_result"]["rewards"]["reward"] for r in results)
     assert rewards == [0.0, 1.0, 1.0]
+    # Each row names its trial, so repeated trials of one task can be told apart.
+    for trial in job_dir.glob("*/result.json"):
+        assert re.search(rf"│ {re.escape(trial.parent.name)}\s+│", out), out
+    # Timeouts (a candidate's outcome, still scored) and errors (a broken trial) apart.
+    assert "3 trials: mean reward 0.667, 1 timed out (AgentTimeoutError, still scored), " \
+        "0 errors" in out
+
+
+@pytest.mark.harbor
+def test_the_demo_terminal_shows_one_display_and_says_what_it_waits_for(
+    demo_job: tuple[TerminalRun, Path],
+) -> None:
+    completed, _ = demo_job
+    # harbor's own bar ("Running trials...", then "Mean: 0.667") drew itself under the
+    # live table in a third of the frames.
+    assert "Running trials" not in completed.written and "Mean:" not in completed.written
+    # The first seconds (harbor's import, the job's creation) are named: each display
+    # draws its first frame as it starts.
+    assert "loading harbor" in completed.written
+    assert "creating the job" in completed.written
+    # The live display is cleared at the end: the summary's title is on the screen once.
+    assert completed.screen.count("wmo-trio run") == 1, completed.screen
+    # wmo_trio serves the model itself: harbor does not look it up in litellm's tables.
+    assert "could not resolve model" not in completed.written + completed.stderr
 
 
 @pytest.mark.harbor
 def test_trace_shows_a_real_trial_step_by_step(
-    demo_job: tuple[subprocess.CompletedProcess[str], Path],
+    demo_job: tuple[TerminalRun, Path],
 ) -> None:
     _, job_dir = demo_job
     trial = next(job_dir.glob("hello-file__*"))
     completed = wmo_trio("trace", str(trial), cwd=ROOT)
     assert completed.returncode == 0, completed.stderr
-    assert "write_file(" in completed.stdout and "wrote /app/greeting.txt" in completed.stdout
-    assert "stop reason: submitted" in completed.stdout
+    out = completed.stdout
+    assert "I will write the file with the requested line." in out  # the model's text
+    assert "write_file /app/greeting.txt (20 characters)" in out and "wrote /app/greeting.txt" in out
+    assert "stop reason: submitted" in out
+    assert "reward: 1\n" in out  # from harbor's result.json beside the trace
+    assert re.search(r"usage: [\d,]+ input \(0 cached\), [\d,]+ output, 3 calls", out), out
+
+
+@pytest.mark.harbor
+def test_trace_prints_a_command_as_it_was_sent(demo_job: tuple[TerminalRun, Path]) -> None:
+    _, job_dir = demo_job
+    trial = next(job_dir.glob("proof-of-work__*"))
+    sent = json.loads((trial / "agent" / "wmo-run.json").read_text())["steps"][0]["action"][
+        "arguments"]["command"]
+    completed = wmo_trio("trace", str(trial), cwd=ROOT)
+    assert completed.returncode == 0, completed.stderr
+    # Every line of the command as the shell got it (its quoting was shown escaped twice).
+    for line in sent.splitlines():
+        assert line in completed.stdout, line
+    assert "\\'" not in completed.stdout
+    assert "reward: 0   exception: AgentTimeoutError" in completed.stdout
 
 
 @pytest.mark.harbor
 def test_trace_json_covers_every_trial_of_a_job(
-    demo_job: tuple[subprocess.CompletedProcess[str], Path],
+    demo_job: tuple[TerminalRun, Path],
 ) -> None:
     _, job_dir = demo_job
     completed = wmo_trio("trace", str(job_dir), "--json", cwd=ROOT)
@@ -72,8 +169,33 @@ def test_trace_json_covers_every_trial_of_a_job(
     traces = json.loads(completed.stdout)
     reasons = sorted(t["trace"]["stop_reason"] for t in traces)
     assert reasons == ["cancelled-by-harbor-timeout", "submitted", "submitted"]
+    assert sorted(t["reward"] for t in traces) == [0.0, 1.0, 1.0]
     partial = next(t["trace"] for t in traces if t["trace"].get("partial"))
     assert partial["worker_usage"]["calls"] >= 1
+
+
+@pytest.mark.harbor
+def test_trace_finds_the_traces_of_a_directory_of_jobs(demo_job: tuple[TerminalRun, Path]) -> None:
+    _, job_dir = demo_job
+    completed = wmo_trio("trace", str(job_dir.parent), cwd=ROOT)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.count("stop reason: ") == 3
+
+
+@pytest.mark.harbor
+@pytest.mark.parametrize("name", ["agent/trajectory.json", "result.json"])
+def test_trace_of_harbors_own_files_shows_the_trials_trace(
+    demo_job: tuple[TerminalRun, Path], name: str,
+) -> None:
+    """harbor's ATIF trajectory and its trial result are not traces: they were 136 and 31
+    lines of validation errors; the trace beside them is shown, with a note saying so."""
+    _, job_dir = demo_job
+    trial = next(job_dir.glob("hello-file__*"))
+    completed = wmo_trio("trace", str(trial / name), cwd=ROOT)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stderr.count("\n") == 1 and "showing the trace of its trial" in completed.stderr
+    assert f"{trial}/agent/wmo-run.json" in completed.stdout.replace("\n", "")
+    assert "stop reason: submitted" in completed.stdout
 
 
 def test_doc_hash_prints_the_example_documents_hash() -> None:

@@ -93,7 +93,7 @@ def test_model_calls_are_plain_text_within_the_documents_limits(tmp_path: Path) 
     """
     doc = code_doc(source, max_output_tokens=100)
     result, provider = run_code(doc, [{"text": "x"}, {"text": "y"}], tmp_path)
-    assert result.stop_reason is StopReason.SUBMITTED
+    assert returned(result) == "ok"
     first, second = provider.requests
     assert first.tools == [] and first.system == "sys"
     assert first.max_output_tokens == 100  # the kit's 2048 capped by param:max-output-tokens
@@ -112,6 +112,29 @@ def test_the_context_window_caps_a_programs_output_tokens(tmp_path: Path) -> Non
     assert provider.requests[0].max_output_tokens == 1024
 
 
+def returned(result: RunResult) -> str:
+    """What a program returned: not an answer (it did not submit), but the text of the
+    step that ends its trace."""
+    assert result.stop_reason is StopReason.NO_ACTION and result.answer == ""
+    last = result.steps[-1]
+    assert last.action.kind is ActionKind.MESSAGE and last.observation.is_error
+    assert "returned without calling submit" in last.observation.content
+    return last.action.content or ""
+
+
+def test_a_program_that_returns_without_submitting_has_not_submitted(tmp_path: Path) -> None:
+    """The README's example program, given a reply with no tool call, returned the reply:
+    the episode read `submitted` with 0 turns and the model's excuse as its answer."""
+    source = """
+    def run(kit):
+        reply = kit.complete("s", [{"role": "user", "content": kit.instruction}])
+        return reply.strip()
+    """
+    result, _ = run_code(code_doc(source), [{"text": "I wanted to call write_file."}], tmp_path)
+    assert (result.stop_reason, result.answer, result.turns) == (StopReason.NO_ACTION, "", 0)
+    assert returned(result) == "I wanted to call write_file."
+
+
 @pytest.mark.parametrize("value", ['""', "None", "'   '[:0]"])
 def test_returning_no_answer_is_no_action(tmp_path: Path, value: str) -> None:
     result, _ = run_code(code_doc(f"def run(kit):\n    return {value}\n"), [{"text": "x"}], tmp_path)
@@ -122,7 +145,7 @@ def test_returning_no_answer_is_no_action(tmp_path: Path, value: str) -> None:
 def test_an_async_run_is_awaited(tmp_path: Path) -> None:
     result, _ = run_code(code_doc("async def run(kit):\n    return 'from a coroutine'\n"),
                          [{"text": "x"}], tmp_path)
-    assert (result.stop_reason, result.answer) == (StopReason.SUBMITTED, "from a coroutine")
+    assert returned(result) == "from a coroutine"
 
 
 # -- failures of the program ---------------------------------------------------------------
@@ -237,8 +260,7 @@ def test_tools_outside_the_policy_and_bad_arguments_are_observations(tmp_path: P
     """
     doc = code_doc(source, policy="read_file\nwrite_file\nsubmit")
     result, _ = run_code(doc, [{"text": "x"}], tmp_path)
-    assert result.stop_reason is StopReason.SUBMITTED
-    assert result.answer == ("True:tool 'bash' not available | "
+    assert returned(result) == ("True:tool 'bash' not available | "
                              "True:invalid write_file arguments: missing argument 'content' | "
                              "True:tool 'dance' not available")
     assert result.turns == 3  # every call is recorded
@@ -257,7 +279,7 @@ def test_skills_and_tools_are_described_to_the_program(tmp_path: Path) -> None:
     """
     doc = code_doc(source, skill="Write everything down.")
     result, _ = run_code(doc, [{"text": "x"}], tmp_path)
-    index, skill, observed, missing, tools, names, task_id = result.answer.split("\n=====\n")
+    index, skill, observed, missing, tools, names, task_id = returned(result).split("\n=====\n")
     assert index == "- notes: How to take notes"
     assert skill == observed == doc.skills[0].content
     assert "unknown skill 'missing'; skills: notes" in missing
@@ -279,7 +301,7 @@ def test_the_kit_is_read_only(tmp_path: Path) -> None:
         return "read-only"
     """
     result, _ = run_code(code_doc(source), [{"text": "x"}], tmp_path)
-    assert result.answer == "read-only"
+    assert returned(result) == "read-only"
 
 
 # -- stopping from outside -----------------------------------------------------------------

@@ -1,11 +1,13 @@
-"""The README is tested, not trusted: every code block a user would paste runs here.
+"""The README is tested, not trusted: every command a user would paste runs here.
 
 Blocks fenced as ```sh run as one bash script each, blocks fenced as ```python with the
 project's interpreter, all in a scratch directory that holds what a fresh clone holds
 after `make demo` (the virtualenv and the example files, linked). A block that cannot run
 offline or in a test (it needs an API key, or is the setup command itself) is preceded by
-`<!-- readme-test: skip: <why> -->`, and the reason is required. Blocks fenced without a
-language are not commands (output, document excerpts) and are not run.
+`<!-- readme-test: skip: <why> -->`, and the reason is required. Every other block (fenced
+with another language or none, or indented) is not run, so it may hold no command: a
+line that starts as one (`wmo-trio`, `harbor`, `.venv/bin/...`) fails the test, wherever it
+stands. The same holds for every `docs/*.md`.
 """
 
 from __future__ import annotations
@@ -24,26 +26,99 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 _FENCE = re.compile(r"(?P<skip><!-- readme-test: skip: (?P<why>[^>]*?) -->\s*\n)?"
                     r"^```(?P<lang>[a-z]*)\n(?P<body>.*?)^```\s*$", re.M | re.S)
+# The first word of a line a reader would paste into a shell.
+_COMMAND = re.compile(r"^\s*(?:\$\s+)?(?:\S+=\S+\s+)*(?:\.venv/bin/\S+|\.?/?\S*wmo-trio|harbor"
+                      r"|make|pip|python3?|uv|bash|sh)(?:\s|$)")
+
+
+def documents() -> list[Path]:
+    """The README and every page of docs/ (none may exist yet)."""
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 @dataclass(frozen=True)
 class Block:
+    file: Path
     line: int
     lang: str
     body: str
     skip: str | None
 
+    @property
+    def where(self) -> str:
+        name = self.file.relative_to(ROOT) if self.file.is_relative_to(ROOT) else self.file
+        return f"{name} line {self.line}"
 
-def blocks(text: str) -> list[Block]:
-    return [Block(text[: m.start("body")].count("\n") + 1, m["lang"], m["body"], m["why"])
-            for m in _FENCE.finditer(text) if m["lang"] in ("sh", "python")]
+
+def all_blocks(file: Path) -> list[Block]:
+    """Every code block of `file`, fenced (`lang` as written) or indented (`lang` "indented")."""
+    text = file.read_text()
+    found = [Block(file, text[: m.start("body")].count("\n") + 1, m["lang"], m["body"], m["why"])
+             for m in _FENCE.finditer(text)]
+    fenced = [range(m.start(), m.end()) for m in _FENCE.finditer(text)]
+    offset, previous_blank, current = 0, True, None
+    lines = text.splitlines(keepends=True)
+    for number, line in enumerate(lines, start=1):
+        inside_fence = any(offset in span for span in fenced)
+        offset += len(line)
+        indented = line.startswith("    ") and line.strip() != ""
+        if not inside_fence and indented and (previous_blank or current is not None):
+            current = current or Block(file, number, "indented", "", None)
+            current = Block(file, current.line, "indented", current.body + line[4:], None)
+        elif current is not None and line.strip():
+            found.append(current)
+            current = None
+        previous_blank = not line.strip() or (previous_blank and inside_fence)
+    if current is not None:
+        found.append(current)
+    return found
+
+
+def blocks(file: Path = README) -> list[Block]:
+    """The blocks of `file` that are run: ```sh and ```python."""
+    return [block for block in all_blocks(file) if block.lang in ("sh", "python")]
 
 
 def test_the_readme_has_blocks_to_run_and_says_why_it_skips_any() -> None:
-    found = blocks(README.read_text())
+    found = [block for file in documents() for block in blocks(file)]
     assert sum(block.skip is None for block in found) >= 4
     for block in found:
-        assert block.skip is None or block.skip.strip(), f"README line {block.line}: skipped with no reason"
+        assert block.skip is None or block.skip.strip(), f"{block.where}: skipped with no reason"
+
+
+@pytest.mark.parametrize("file", documents(), ids=lambda file: file.name)
+def test_every_command_in_the_docs_stands_in_a_block_that_runs(file: Path) -> None:
+    """A command in a block that is not run (indented, or fenced without `sh`) is never
+    tested, and breaks unseen: `wmo-trio sandbox images` stood indented, without the
+    `.venv/bin/` every other command has, and failed when pasted."""
+    for block in all_blocks(file):
+        if block.lang in ("sh", "python"):
+            continue
+        commands = [line for line in block.body.splitlines() if _COMMAND.match(line)]
+        assert not commands, (f"{block.where}: {commands[0].strip()!r} is a command in a block "
+                              "that is not run; fence the block as ```sh (or ```python)")
+
+
+def test_an_indented_command_is_found(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("Text.\n\n```sh\nmake demo\n```\n\n    wmo-trio sandbox images   # the "
+                    "cache\n    wmo-trio sandbox prune\n\nMore text.\n")
+    fenced, indented = all_blocks(page)
+    assert (fenced.lang, fenced.line, indented.lang, indented.line) == ("sh", 4, "indented", 7)
+    assert [bool(_COMMAND.match(line)) for line in indented.body.splitlines()] == [True, True]
+
+
+def test_the_readmes_code_runtime_program_is_the_example_that_runs() -> None:
+    """The README shows a `code:runtime` program and runs `examples/code-runtime.json`: they
+    are one program, so what the README shows is what its command runs."""
+    import json
+
+    [shown] = [block.body for block in all_blocks(README)
+               if block.lang == "py" and block.body.startswith("def run(kit):")]
+    document = json.loads((ROOT / "examples" / "code-runtime.json").read_text())
+    [surface] = [s for s in document["surfaces"] if s["id"] == "code:runtime"]
+    assert shown == surface["content"]
+    assert any("--harness examples/code-runtime.json" in block.body for block in _TO_RUN)
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +131,11 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return where
 
 
-_TO_RUN = [block for block in blocks(README.read_text()) if block.skip is None]
+_TO_RUN = [block for file in documents() for block in blocks(file) if block.skip is None]
 
 
-@pytest.mark.parametrize("block", _TO_RUN, ids=[f"line-{b.line}" for b in _TO_RUN])
+@pytest.mark.parametrize("block", _TO_RUN,
+                         ids=[f"{b.file.stem}-line-{b.line}" for b in _TO_RUN])
 def test_a_readme_block_runs_as_written(block: Block, clone: Path) -> None:
     environment = {name: value for name, value in os.environ.items()
                    if not name.startswith(("VIRTUAL_ENV", "LITELLM", "HARBOR_TELEMETRY"))
@@ -76,14 +152,14 @@ def test_a_readme_block_runs_as_written(block: Block, clone: Path) -> None:
     completed = subprocess.run(argv, cwd=clone, env=environment, capture_output=True, text=True,
                                timeout=600, stdin=subprocess.DEVNULL)
     assert completed.returncode == 0, (
-        f"README line {block.line} failed ({completed.returncode}):\n{block.body}\n"
+        f"{block.where} failed ({completed.returncode}):\n{block.body}\n"
         f"--- stdout\n{completed.stdout[-3000:]}\n--- stderr\n{completed.stderr[-3000:]}")
     # The commands are billed as offline: harbor's litellm, left to itself, spends seconds
     # retrying the download of a price list and warns about it (what the README's
     # `export LITELLM_LOCAL_MODEL_COST_MAP=True` is there to stop).
     for warning in _COST_MAP_WARNINGS:
         assert warning not in completed.stdout + completed.stderr, (
-            f"README line {block.line}: litellm tried to download its cost map:\n"
+            f"{block.where}: litellm tried to download its cost map:\n"
             f"{completed.stderr[-3000:]}")
 
 

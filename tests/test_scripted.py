@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from wmo_trio.episode.portable import parse_tool_call
 from wmo_trio.episode.tools import tool_spec
 from wmo_trio.models import Action, ActionKind, Observation, RunResult, Step, StopReason, TokenUsage
 from wmo_trio.providers import (
@@ -170,9 +171,20 @@ def test_the_offline_policy_gives_up_on_unknown_tasks() -> None:
 
 def test_the_offline_policy_talks_when_its_tool_is_taken_away() -> None:
     provider = build_provider({"kind": "scripted", "model": "offline"})
+    full = request(0, "write a novel")
+    without = full.model_copy(update={"tools": [t for t in full.tools if t.name != "bash"]})
+    reply = provider.complete(without, CallControl())
+    assert reply.tool_calls == [] and "I wanted to call bash, but it is not available" in reply.text
+
+
+def test_the_offline_policy_writes_its_call_as_text_when_the_call_offers_no_tools() -> None:
+    """A code:runtime program's `kit.complete` offers no tools: its calls come back as text,
+    in the format the kit describes (`tools_text`) and reads (`parse_tool_call`)."""
+    provider = build_provider({"kind": "scripted", "model": "offline"})
     bare = request(0, "write a novel").model_copy(update={"tools": []})
     reply = provider.complete(bare, CallControl())
-    assert reply.tool_calls == [] and "not available" in reply.text
+    assert reply.tool_calls == []
+    assert parse_tool_call(reply.text) == {"tool": "bash", "arguments": {"command": "pwd && ls -la"}}
 
 
 # -- models ------------------------------------------------------------------------------

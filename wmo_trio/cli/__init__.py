@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from wmo_trio.cli._compare import compare as compare_command
+from wmo_trio.cli._help import Command, Group
 
 if TYPE_CHECKING:
     from wmo_trio.harness import HarnessDoc
@@ -22,13 +23,15 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=Group,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
-doc_app = typer.Typer(help="Check harness documents.", no_args_is_help=True)
+doc_app = typer.Typer(help="Check harness documents.", no_args_is_help=True, cls=Group)
 app.add_typer(doc_app, name="doc")
 sandbox_app = typer.Typer(help="The docker-free environment's cache of built task images.",
-                          no_args_is_help=True)
+                          no_args_is_help=True, cls=Group)
 app.add_typer(sandbox_app, name="sandbox")
-app.command("compare")(compare_command)
+app.command("compare", cls=Command)(compare_command)
 
 # Tables stay readable when output goes to a file or a CI log.
 console = Console(width=None if sys.stdout.isatty() else 140)
@@ -38,12 +41,39 @@ BAD_INPUT = 2
 INFRASTRUCTURE_FAILURE = 1
 
 
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from wmo_trio import __version__
+
+        try:
+            harbor = f", harbor {version('harbor')}"
+        except PackageNotFoundError:
+            harbor = ""
+        sys.stdout.write(f"wmo-trio {__version__} (Python {sys.version.split()[0]}{harbor})\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[bool, typer.Option(
+        "--version", help="Print the versions of wmo-trio, Python and harbor, and exit.",
+        is_eager=True, callback=_print_version)] = False,
+) -> None:
+    """Run harness candidates as harbor agents on Trio, and read their traces."""
+
+
 def fail(message: str, code: int = BAD_INPUT) -> typer.Exit:
-    errors.print(f"wmo-trio: {message}", markup=False, highlight=False, soft_wrap=True)
+    from wmo_trio.cli._text import visible
+
+    # One line, whatever a path or a name in it holds.
+    shown = visible(message).replace("\n", "\\n")
+    errors.print(f"wmo-trio: {shown}", markup=False, highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
-@app.command()
+@app.command(cls=Command)
 def run(
     path: Annotated[list[Path] | None, typer.Option(
         "-p", "--path", help="A harbor task directory or a directory of tasks (repeatable). "
@@ -53,7 +83,9 @@ def run(
     attempts: Annotated[int, typer.Option("-k", "--n-attempts", help="Attempts per task.")] = 1,
     jobs_dir: Annotated[Path, typer.Option("-o", "--jobs-dir", help="Where job directories go.")]
     = Path("jobs"),
-    job_name: Annotated[str | None, typer.Option("--job-name")] = None,
+    job_name: Annotated[str | None, typer.Option(
+        "--job-name", help="The job directory's name under --jobs-dir. Default: the start "
+        "time, as harbor names it (2026-01-31__14-05-09).")] = None,
     environment: Annotated[str | None, typer.Option(
         "-e", "--env", help="A harbor environment type or import path. Default: docker when a "
         "Docker daemon answers, else wmo_trio.harbor:LocalEnvironment.")] = None,
@@ -75,6 +107,8 @@ def run(
 ) -> None:
     """Run a harbor job with the wmo_trio agent, trio owning the loop (trio-asyncio)."""
     import trio
+    from rich.live import Live
+    from rich.spinner import Spinner
 
     from wmo_trio.cli._run import (
         BadInput,
@@ -83,6 +117,7 @@ def run(
         examples_dir,
         run_with_progress,
         scan_job,
+        summary_line,
         summary_table,
     )
 
@@ -100,39 +135,60 @@ def run(
         model=model, provider_settings=settings, episode_timeout=episode_timeout,
         command_timeout=command_timeout, backend=backend,
     )
-    try:
-        config = build_job_config(options)
-    except BadInput as error:
-        raise fail(str(error)) from None
+    refused: BadInput | None = None
+    # Loading harbor takes seconds the first time: say so at once rather than sit silent
+    # (a Live draws its first frame as it starts; rich's status waits for its first tick).
+    with Live(Spinner("dots", "loading harbor, checking the options and the harness "
+                      "document …"), console=console, transient=True):
+        try:
+            config = build_job_config(options)
+        except BadInput as error:
+            refused = error
+    if refused is not None:
+        raise fail(str(refused))
     try:
         job_dir = trio.run(run_with_progress, config, console)
     except Exception as error:  # the job itself broke: infrastructure, not the candidate
         raise fail(f"the job failed: {type(error).__name__}: {error}",
                    INFRASTRUCTURE_FAILURE) from error
-    console.print(summary_table(scan_job(job_dir)))
+    rows = scan_job(job_dir)
+    console.print(summary_table(rows, title=f"wmo-trio run: job {job_dir.name}"))
+    console.print(summary_line(rows), highlight=False, soft_wrap=True)
     console.print(f"job directory: {job_dir.resolve()}", highlight=False, soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=Command)
 def trace(
-    path: Annotated[Path, typer.Argument(help="A wmo-run.json, a trial directory or a job "
-                                         "directory.")],
+    path: Annotated[Path, typer.Argument(help="A wmo-run.json, a trial directory, a job "
+                                         "directory or a directory of jobs.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
+    full: Annotated[bool, typer.Option("--full", help="Show every text, command and "
+                                       "observation whole.")] = False,
 ) -> None:
-    """Show episodes step by step: actions, shortened observations, stop reason, usage."""
+    """Show episodes step by step: the model's text, each action as sent, observations, stop
+    reason, the trial's reward and usage."""
     from wmo_trio.cli._run import BadInput
+    from wmo_trio.cli._text import visible
+    from wmo_trio.cli._trace import FULL, find, render
     from wmo_trio.cli._trace import as_json as to_json
-    from wmo_trio.cli._trace import find_traces, load, render
 
+    problems: list[str] = []
     try:
-        traces = [(found, load(found)) for found in find_traces(path)]
+        found = find(path, problems)
     except BadInput as error:
         raise fail(str(error)) from None
+    for problem in problems:
+        errors.print(f"wmo-trio: skipped: {visible(problem)}", markup=False, highlight=False,
+                     soft_wrap=True)
+    for one in found:
+        if one.note:
+            errors.print(f"wmo-trio: {visible(one.note)}", markup=False, highlight=False,
+                         soft_wrap=True)
     if as_json:
-        sys.stdout.write(to_json(traces) + "\n")
+        sys.stdout.write(to_json(found) + "\n")
         return
-    for found, one in traces:
-        render(one, found, console)
+    for one in found:
+        render(one, console, FULL if full else None)
 
 
 def _load_doc(file: Path) -> HarnessDoc:
@@ -152,10 +208,11 @@ def _printable(text: str) -> str:
 
 
 _NOTES_LISTED = 5
+DocFile = Annotated[Path, typer.Argument(help="A harness document (JSON).")]
 
 
-@doc_app.command("validate")
-def doc_validate(file: Path) -> None:
+@doc_app.command("validate", cls=Command)
+def doc_validate(file: DocFile) -> None:
     """Check a harness document against every rule; exit code 2 when it is invalid."""
     doc = _load_doc(file)
     # Written, not printed through rich: scripts read the hash, so the line never wraps.
@@ -171,8 +228,8 @@ def doc_validate(file: Path) -> None:
                      markup=False, highlight=False, soft_wrap=True)
 
 
-@doc_app.command("hash")
-def doc_hash(file: Path) -> None:
+@doc_app.command("hash", cls=Command)
+def doc_hash(file: DocFile) -> None:
     """Print the document's doc_hash."""
     sys.stdout.write(_load_doc(file).doc_hash + "\n")
 
@@ -182,7 +239,7 @@ CacheDir = Annotated[Path | None, typer.Option(
     "LocalEnvironment's cache_dir).")]
 
 
-@sandbox_app.command("images")
+@sandbox_app.command("images", cls=Command)
 def sandbox_images(cache_dir: CacheDir = None) -> None:
     """List the built task images: key, task, size, last use, whether a trial uses it."""
     from datetime import datetime
@@ -197,7 +254,7 @@ def sandbox_images(cache_dir: CacheDir = None) -> None:
     console.print(f"cache: {cache.root}", highlight=False)
 
 
-@sandbox_app.command("prune")
+@sandbox_app.command("prune", cls=Command)
 def sandbox_prune(
     cache_dir: CacheDir = None,
     older_than_days: Annotated[float | None, typer.Option(

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 import wmo_trio
 
@@ -144,11 +145,16 @@ def build_job_config(options: RunOptions) -> Any:
         n_concurrent_trials=options.concurrency,
         quiet=True,
         environment=environment,
+        # The model is wmo_trio's to serve (provider_config), not litellm's: without this,
+        # harbor looks it up in litellm's tables and warns that it cannot resolve it.
         agents=[AgentConfig(import_path=AGENT_IMPORT_PATH, model_name=options.model,
-                            kwargs=kwargs)],
+                            kwargs=kwargs, skip_model_parsing=True)],
         tasks=tasks,
         datasets=datasets,
     )
+
+
+AGENT_TIMEOUT = "AgentTimeoutError"
 
 
 @dataclass
@@ -163,12 +169,41 @@ class TrialRow:
     tokens: int | None = None
     seconds: float | None = None
 
+    @property
+    def timed_out(self) -> bool:
+        """harbor's agent timeout: the candidate ran out of time and was still scored."""
+        return self.exception == AGENT_TIMEOUT
+
+    @property
+    def errored(self) -> bool:
+        """Any other exception: the trial broke (infrastructure, the agent, the verifier)."""
+        return self.exception is not None and not self.timed_out
+
 
 def _seconds(start: str | None, end: str | None) -> float | None:
     if not start or not end:
         return None
     return (datetime.fromisoformat(end.replace("Z", "+00:00"))
             - datetime.fromisoformat(start.replace("Z", "+00:00"))).total_seconds()
+
+
+def trial_row(name: str, result: dict[str, Any]) -> TrialRow:
+    """The row of a trial from its harbor `TrialResult`, as JSON data (its result.json)."""
+    task = str(result.get("task_name") or name.rsplit("__", 1)[0])
+    if not result.get("finished_at"):
+        return TrialRow(name, task, done=False)
+    rewards = (result.get("verifier_result") or {}).get("rewards") or {}
+    agent = result.get("agent_result") or {}
+    metadata = agent.get("metadata") or {}
+    tokens = None
+    if agent.get("n_input_tokens") is not None:
+        tokens = (agent.get("n_input_tokens") or 0) + (agent.get("n_output_tokens") or 0)
+    return TrialRow(
+        name=name, task=task, done=True, reward=rewards.get("reward"),
+        exception=(result.get("exception_info") or {}).get("exception_type"),
+        stop_reason=metadata.get("stop_reason"), turns=metadata.get("turns"),
+        tokens=tokens, seconds=_seconds(result.get("started_at"), result.get("finished_at")),
+    )
 
 
 def scan_job(job_dir: Path) -> list[TrialRow]:
@@ -178,61 +213,110 @@ def scan_job(job_dir: Path) -> list[TrialRow]:
         return rows
     for trial in sorted(p for p in job_dir.iterdir() if p.is_dir()):
         result_file = trial / "result.json"
-        config_file = trial / "config.json"
         if not result_file.is_file():
-            if config_file.is_file():
+            if (trial / "config.json").is_file():
                 rows.append(TrialRow(trial.name, trial.name.rsplit("__", 1)[0], done=False))
             continue
         try:
             result = json.loads(result_file.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if not result.get("finished_at"):
-            rows.append(TrialRow(trial.name, result.get("task_name", trial.name), done=False))
-            continue
-        rewards = (result.get("verifier_result") or {}).get("rewards") or {}
-        agent = result.get("agent_result") or {}
-        metadata = agent.get("metadata") or {}
-        tokens = None
-        if agent.get("n_input_tokens") is not None:
-            tokens = (agent.get("n_input_tokens") or 0) + (agent.get("n_output_tokens") or 0)
-        rows.append(TrialRow(
-            name=trial.name, task=result.get("task_name", trial.name), done=True,
-            reward=rewards.get("reward"),
-            exception=(result.get("exception_info") or {}).get("exception_type"),
-            stop_reason=metadata.get("stop_reason"), turns=metadata.get("turns"),
-            tokens=tokens, seconds=_seconds(result.get("started_at"), result.get("finished_at")),
-        ))
+        if isinstance(result, dict):
+            rows.append(trial_row(trial.name, result))
     return rows
 
 
-def progress_table(rows: list[TrialRow], total: int) -> Table:
-    done = [r for r in rows if r.done]
-    rewards = [r.reward for r in done if r.reward is not None]
-    table = Table(title="wmo-trio run", show_header=True)
-    for column in ("done", "running", "failed", "mean reward", "tokens"):
-        table.add_column(column, justify="right")
-    table.add_row(
-        f"{len(done)}/{total}", str(sum(not r.done for r in rows)),
-        str(sum(r.exception is not None for r in done)),
-        f"{sum(rewards) / len(rewards):.3f}" if rewards else "-",
-        f"{sum(r.tokens or 0 for r in rows):,}",
-    )
-    return table
+# What each of harbor's trial events says a trial is doing now.
+_PHASES = {
+    "start": "starting",
+    "environment-start": "starting its environment",
+    "agent-start": "running the agent",
+    "verification-start": "verifying",
+    "cancel": "cancelling",
+}
 
 
-def summary_table(rows: list[TrialRow]) -> Table:
-    table = Table(title="trials", show_header=True)
-    for column in ("task", "reward", "stop reason", "turns", "tokens", "seconds", "exception"):
-        table.add_column(column, justify="left" if column in ("task", "stop reason") else "right")
+@dataclass
+class JobProgress:
+    """What `wmo-trio run` shows while its job runs, kept current by harbor's trial hooks
+    (they run on harbor's loop, which is the trio thread: no lock is needed)."""
+
+    total: int
+    stage: str = "creating the job: harbor's checks, the agent's preflight"
+    phases: dict[str, str] = field(default_factory=dict)
+    finished: dict[str, TrialRow] = field(default_factory=dict)
+
+    def watch(self, job: Any) -> None:
+        """Register on a harbor `Job` (before it runs) the hooks that keep this current."""
+        from harbor.trial.hooks import TrialEvent
+
+        self.stage = "starting the first trials"
+
+        async def on_event(event: Any) -> None:
+            name = str(event.trial_name)
+            if event.event is TrialEvent.END:
+                self.phases.pop(name, None)
+                self.finished[name] = trial_row(name, event.result.model_dump(mode="json"))
+            elif name not in self.finished:
+                self.phases[name] = _PHASES.get(str(event.event.value), str(event.event.value))
+
+        for event in TrialEvent:
+            if event.value in _PHASES or event is TrialEvent.END:
+                job.add_hook(event, on_event)
+
+    def render(self) -> Group:
+        done = list(self.finished.values())
+        rewards = [r.reward for r in done if r.reward is not None]
+        table = Table(title="wmo-trio run", show_header=True)
+        for column in ("done", "running", "timed out", "errors", "mean reward", "tokens"):
+            table.add_column(column, justify="right")
+        table.add_row(
+            f"{len(done)}/{self.total}", str(len(self.phases)),
+            str(sum(r.timed_out for r in done)), str(sum(r.errored for r in done)),
+            f"{sum(rewards) / len(rewards):.3f}" if rewards else "-",
+            f"{sum(r.tokens or 0 for r in done):,}",
+        )
+        return Group(table, Text(self.status(), style="dim"))
+
+    def status(self) -> str:
+        """One line on what the job is doing now, so a quiet start is never a mystery."""
+        if not self.phases:
+            return self.stage + " …" if len(self.finished) < self.total else "finishing the job …"
+        counts: dict[str, int] = {}
+        for phase in self.phases.values():
+            counts[phase] = counts.get(phase, 0) + 1
+        parts = [f"{n} {phase}" + (" (a task's first trial builds its image)"
+                                   if phase == "starting its environment" else "")
+                 for phase, n in counts.items()]
+        queued = self.total - len(self.finished) - len(self.phases)
+        return "now: " + ", ".join(parts) + (f"; {queued} queued" if queued > 0 else "")
+
+
+def summary_table(rows: list[TrialRow], title: str = "trials") -> Table:
+    table = Table(title=title, show_header=True)
+    for column in ("trial", "reward", "stop reason", "turns", "tokens", "seconds", "exception"):
+        # A narrow terminal wraps a name rather than cut it: trials are told apart by theirs.
+        table.add_column(column, justify="left" if column in ("trial", "stop reason") else "right",
+                         overflow="fold")
     for row in rows:
         table.add_row(
-            row.task, "-" if row.reward is None else f"{row.reward:g}", row.stop_reason or "-",
+            row.name, "-" if row.reward is None else f"{row.reward:g}", row.stop_reason or "-",
             "-" if row.turns is None else str(row.turns),
             "-" if row.tokens is None else f"{row.tokens:,}",
             "-" if row.seconds is None else f"{row.seconds:.1f}", row.exception or "",
         )
     return table
+
+
+def summary_line(rows: list[TrialRow]) -> str:
+    """The job in one line: how many trials, their mean reward, timeouts and errors apart."""
+    done = [r for r in rows if r.done]
+    rewards = [r.reward for r in done if r.reward is not None]
+    mean = f"mean reward {sum(rewards) / len(rewards):.3f}" if rewards else "no reward"
+    timed_out, errored = sum(r.timed_out for r in done), sum(r.errored for r in done)
+    return (f"{len(done)} trial{'' if len(done) == 1 else 's'}: {mean}, "
+            f"{timed_out} timed out ({AGENT_TIMEOUT}, still scored), "
+            f"{errored} error{'' if errored == 1 else 's'}")
 
 
 def count_trials(config: Any) -> int:
@@ -243,22 +327,23 @@ def count_trials(config: Any) -> int:
 
 
 async def run_with_progress(config: Any, console: Console) -> Path:
-    """Run the job on the trio host, showing live progress; returns the job directory."""
-    from wmo_trio.harbor import run_job
+    """Run the job on the trio host, showing live progress; returns the job directory.
+
+    The display is transient: when the job ends it is cleared, and the caller prints the
+    summary once. harbor's own bar is kept off the terminal meanwhile."""
+    from wmo_trio.harbor._job import harbor_progress_hidden, run_job
 
     job_dir = Path(config.jobs_dir) / str(config.job_name)
-    total = count_trials(config)
-    with Live(progress_table([], total), console=console, refresh_per_second=4,
-              transient=not console.is_terminal) as live:
+    progress = JobProgress(count_trials(config))
+    with harbor_progress_hidden(), Live(progress.render(), console=console,
+                                        refresh_per_second=4, transient=True) as live:
         async with trio.open_nursery() as nursery:
-            async def watch() -> None:
+            async def show() -> None:
                 while True:
-                    rows = await trio.to_thread.run_sync(scan_job, job_dir)
-                    live.update(progress_table(rows, total))
-                    await trio.sleep(0.5)
+                    live.update(progress.render())
+                    await trio.sleep(0.25)
 
-            nursery.start_soon(watch)
-            await run_job(config)
+            nursery.start_soon(show)
+            await run_job(config, on_create=progress.watch)
             nursery.cancel_scope.cancel()
-        live.update(progress_table(scan_job(job_dir), total))
     return job_dir

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 PROTOCOL = 2
 CODE_FILENAME = "code:runtime"
 _MAX_ERROR_TEXT = 2000
+_MAX_RETURNED_TEXT = 10_000
 _MAX_TRACEBACK = 4000
 
 
@@ -242,10 +243,12 @@ class Kit:
 def run_program(source: str, kit: Kit) -> dict[str, Any]:
     """Run `source` (a module defining `run(kit)`) and say how the episode ended.
 
-    Returns `{"stop_reason", "answer", "step"}`: a non-empty string from `run` is
-    `submitted` with that answer; "" or None is `no_action`; an exception (or any other
-    return value) is `error`, with `step` the error step to record. The host's own end
-    of the episode (and `HostGone`) propagate: they are not the program's outcome.
+    Returns `{"stop_reason", "answer", "step"}`. A program that returns has not submitted
+    (only `kit.execute("submit", ...)` does, and the host ends the episode there): its end
+    is `no_action`, and a non-empty string it returned is recorded as a final step, so the
+    trace keeps it. An exception (or a return value other than a str or None) is `error`,
+    with `step` the error step to record. The host's own end of the episode (and
+    `HostGone`) propagate: they are not the program's outcome.
     """
     linecache.cache[CODE_FILENAME] = (len(source), None, source.splitlines(True), CODE_FILENAME)
     namespace: dict[str, Any] = {"__name__": "harness_runtime", "__file__": CODE_FILENAME}
@@ -264,7 +267,22 @@ def run_program(source: str, kit: Kit) -> dict[str, Any]:
         return {"stop_reason": "error", "answer": "", "step": error_step(error)}
     if not result:
         return {"stop_reason": "no_action", "answer": "", "step": None}
-    return {"stop_reason": "submitted", "answer": result, "step": None}
+    return {"stop_reason": "no_action", "answer": "", "step": returned_step(result)}
+
+
+def returned_step(text: str) -> dict[str, Any]:
+    """The step that records what a program returned instead of submitting."""
+    if len(text) > _MAX_RETURNED_TEXT:
+        text = text[:_MAX_RETURNED_TEXT] + " [...]"
+    return {
+        "action": {"kind": "message", "name": None, "arguments": None, "content": text},
+        "observation": {
+            "content": "code:runtime returned without calling submit, so nothing was "
+                       "submitted; its return value is the text of this step (a program "
+                       "submits with kit.execute('submit', {'answer': ...}))",
+            "is_error": True, "reward": None, "metadata": {},
+        },
+    }
 
 
 def error_step(error: BaseException) -> dict[str, Any]:

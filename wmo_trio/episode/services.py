@@ -61,11 +61,12 @@ NUDGES = {
 }
 ELIDED = "[output elided to fit the context window]"
 
-# The endings a program may give by itself; every other ending is the host's.
+# The endings a program may give by itself; every other ending is the host's. `submitted`
+# is never a program's to claim: only the host's answer to the submit tool gives it.
 _OWN_ENDINGS: dict[Mode, frozenset[StopReason]] = {
     "loop": frozenset({StopReason.NO_TOOL_CALL, StopReason.UNPARSED_TOOL_CALL,
                        StopReason.OUTPUT_TRUNCATED, StopReason.MAX_TURNS}),
-    "code": frozenset({StopReason.SUBMITTED, StopReason.NO_ACTION, StopReason.ERROR}),
+    "code": frozenset({StopReason.NO_ACTION, StopReason.ERROR}),
 }
 
 
@@ -245,7 +246,7 @@ class EpisodeServices:
             self.record_error(f"the episode's program ended with the reason 'max_turns' with "
                               f"{self.turns_left()} of its turns left")
             return StopReason.UNKNOWN_DONE_REASON, ""
-        return ending, answer if ending is StopReason.SUBMITTED else ""
+        return ending, ""  # a program's own ending never submits (see _OWN_ENDINGS)
 
     def begin_attempt(self) -> None:
         """The program starts over (the e2b backend replays it on a fresh sandbox): its turns

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from wmo_trio.engine import run_asyncio
 
 
-async def run_job(config: Any) -> Any:
+async def run_job(config: Any, *, on_create: Callable[[Any], None] | None = None) -> Any:
     """From trio: create and run a harbor `Job` for `config` (a `JobConfig`), and return its
-    `JobResult`.
+    `JobResult`. `on_create`, when given, is called with the `Job` once it is created and
+    before it runs (to add trial hooks with `job.add_hook`; they run on harbor's loop, in
+    the trio thread).
 
     Harbor's asyncio code runs on trio-asyncio's loop (opened here unless one is already
     open in this context), and every wmo_trio agent in the job reaches the engine through
@@ -20,6 +24,29 @@ async def run_job(config: Any) -> Any:
 
     async def create_and_run() -> Any:
         job = await Job.create(config)
+        if on_create is not None:
+            on_create(job)
         return await job.run()
 
     return await run_asyncio(create_and_run)
+
+
+@contextmanager
+def harbor_progress_hidden() -> Iterator[None]:
+    """Keep harbor's own progress bar off the terminal while a job runs in this process.
+
+    harbor 0.25's `Job.run` draws a bar even with `quiet=True` (quiet only drops the
+    per-trial lines), on rich's process-wide console and with nothing to turn it off. Under
+    a display of the caller's own, two live displays redraw the same lines and the bar
+    flickers through; piped, its last frame lands in the output. That console is muted for
+    the block (harbor prints nothing else through it) and restored after.
+    """
+    import rich
+
+    console = rich.get_console()
+    was_quiet = console.quiet
+    console.quiet = True
+    try:
+        yield
+    finally:
+        console.quiet = was_quiet

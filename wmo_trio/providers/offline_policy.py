@@ -11,6 +11,7 @@ the position in the plan. That keeps it deterministic across concurrent episodes
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 
@@ -100,6 +101,11 @@ def offline_policy(request: ProviderRequest) -> ScriptedReply:
     plan = plan_for(first_user_message(request.messages))
     turn = sum(1 for m in request.messages if m.role == "assistant")
     thought, tool, arguments = plan[min(turn, len(plan) - 1)]
+    if not request.tools:
+        # A plain-text call (a code:runtime program's `kit.complete`): the call is written
+        # in the text, in the format the kit's `tools_text` asks for and `parse_tool_call` reads.
+        call = json.dumps({"tool": tool, "arguments": arguments}, indent=1)
+        return ScriptedReply(text=f"{thought}\n\n```json\n{call}\n```")
     if tool not in {t.name for t in request.tools}:
         # The document took this tool away: say so in plain text, which the episode
         # treats as a reply without a tool call.
