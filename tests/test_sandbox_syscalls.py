@@ -77,10 +77,20 @@ def host_key() -> Iterator[tuple[int, str]]:
 
 
 def _in_user_keyring(description: str) -> bool:
-    found = _keyctl(KEYCTL_SEARCH, KEY_SPEC_USER_KEYRING, b"user", description.encode(), 0)
-    if found > 0:
-        _keyctl(KEYCTL_INVALIDATE, found)
-    return found > 0
+    return _keyctl(KEYCTL_SEARCH, KEY_SPEC_USER_KEYRING, b"user", description.encode(), 0) > 0
+
+
+@pytest.fixture
+def trial_key() -> Iterator[str]:
+    """The description of the key a trial tries to add; removed from the host root's
+    user keyring afterwards should it ever get there."""
+    description = f"wmo-trio-trial-{uuid.uuid4().hex}"
+    try:
+        yield description
+    finally:
+        found = _keyctl(KEYCTL_SEARCH, KEY_SPEC_USER_KEYRING, b"user", description.encode(), 0)
+        if found > 0:
+            _keyctl(KEYCTL_INVALIDATE, found)
 
 
 async def _probe(environment: LocalEnvironment, *names: str,
@@ -98,10 +108,9 @@ def _expected(*names: str) -> dict[str, str]:
 
 
 def test_the_host_roots_keys_are_out_of_reach_and_no_key_can_be_added(
-    tmp_path: Path, host_key: tuple[int, str]
+    tmp_path: Path, host_key: tuple[int, str], trial_key: str
 ) -> None:
     serial, description = host_key
-    trial_key = f"wmo-trio-trial-{uuid.uuid4().hex}"
     names = ("read_host_key", "read_user_keyring", "add_key", "list_proc_keys")
 
     async def scenario() -> None:
@@ -114,7 +123,7 @@ def test_the_host_roots_keys_are_out_of_reach_and_no_key_can_be_added(
 
     run(scenario)
     assert not _in_user_keyring(trial_key)
-    assert _in_user_keyring(description) is True  # the host's key itself is untouched
+    assert _in_user_keyring(description)  # the host's key itself is untouched
 
 
 def test_no_user_namespace_can_be_made(tmp_path: Path) -> None:
@@ -191,7 +200,9 @@ HOSTILE_TEST = textwrap.dedent("""\
 
 
 @pytest.mark.harbor
-def test_a_hostile_task_meets_the_same_refusals_in_its_build_and_its_trial(tmp_path: Path) -> None:
+def test_a_hostile_task_meets_the_same_refusals_in_its_build_and_its_trial(
+    tmp_path: Path, trial_key: str
+) -> None:
     """Through harbor's CLI: a Dockerfile `RUN` step and the oracle's solve.sh run the
     probes; the verifier scores 1 only if each was refused (or ran) as under Docker."""
     task = tmp_path / "tasks" / "hostile-kernel"
@@ -199,10 +210,10 @@ def test_a_hostile_task_meets_the_same_refusals_in_its_build_and_its_trial(tmp_p
     shutil.copy(PROBE, task / "environment" / "syscall_probe.py")
     (task / "environment" / "Dockerfile").write_text(
         "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY syscall_probe.py /syscall_probe.py\n"
-        "RUN python3 /syscall_probe.py > /build-probe.json\n"
+        f"RUN TRIAL_KEY={trial_key} python3 /syscall_probe.py > /build-probe.json\n"
     )
     (task / "solution" / "solve.sh").write_text(
-        "#!/bin/sh\npython3 /syscall_probe.py > /app/trial-probe.json\n")
+        f"#!/bin/sh\nTRIAL_KEY={trial_key} python3 /syscall_probe.py > /app/trial-probe.json\n")
     expected = json.dumps(_expected(*REFUSED, *ORDINARY))
     (task / "tests" / "test.sh").write_text(HOSTILE_TEST.format(expected=expected))
 
@@ -213,6 +224,7 @@ def test_a_hostile_task_meets_the_same_refusals_in_its_build_and_its_trial(tmp_p
     [result] = trial_results(tmp_path / "jobs").values()
     assert result["exception_info"] is None, result["exception_info"]
     assert reward(result) == 1.0
+    assert not _in_user_keyring(trial_key)
 
 
 @pytest.mark.harbor
