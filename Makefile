@@ -10,16 +10,18 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 # The venv is rebuilt only when the project's dependencies change, so a second
 # `make test` goes straight to the tests.
-# The docker-free environment's sandbox needs bubblewrap and slirp4netns (Debian packages);
-# as root they are installed here when missing.
+# The docker-free environment's sandbox needs bubblewrap, slirp4netns, keyutils and
+# libseccomp (Debian packages); as root they are installed here when missing.
+SANDBOX_PACKAGES := bubblewrap slirp4netns keyutils libseccomp2
 $(STAMP): pyproject.toml constraints.txt scripts/find-python
-	@command -v bwrap >/dev/null && command -v slirp4netns >/dev/null || { \
+	@command -v bwrap >/dev/null && command -v slirp4netns >/dev/null && command -v keyctl >/dev/null \
+	        && /sbin/ldconfig -p | grep -q 'libseccomp\.so\.2 ' || { \
 	    if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	        echo "installing bubblewrap and slirp4netns for the docker-free environment"; \
+	        echo "installing $(SANDBOX_PACKAGES) for the docker-free environment"; \
 	        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	            bubblewrap slirp4netns >/dev/null; \
+	            $(SANDBOX_PACKAGES) >/dev/null; \
 	    else \
-	        echo "note: install bubblewrap and slirp4netns to use the docker-free environment"; \
+	        echo "note: install $(SANDBOX_PACKAGES) to use the docker-free environment"; \
 	    fi; }
 	@test -x $(PY) || { py=$$(scripts/find-python) && echo "creating $(VENV) with $$py" && "$$py" -m venv $(VENV); }
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench]'

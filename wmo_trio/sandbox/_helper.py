@@ -17,7 +17,10 @@ Replies: ``{"op": "ready"}`` once, then per command ``{"id": N, "pid": P}`` or
 
 When the socket closes (the host stopped the trial, or died), the helper exits; the
 kernel then kills every other process of the PID namespace. As PID 1 it cannot be
-killed from inside the sandbox, and it reaps every orphan.
+killed from inside the sandbox, and it reaps every orphan. It is not dumpable, so no
+command, even as root, can trace it, read its memory or environment or take its
+descriptors (the host's socket among them): without ``CAP_SYS_PTRACE``, which no
+sandbox has, the kernel refuses all of these on a process that is not dumpable.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ TAG_VARIABLE = "WMO_TRIO_EXEC"
 MAX_MESSAGE = 1 << 20
 # Bounds a kill only for processes the kernel cannot end (stuck in uninterruptible I/O).
 KILL_WAIT_SEC = 20.0
+PR_SET_DUMPABLE = 4
 
 
 class SpawnError(Exception):
@@ -272,7 +276,25 @@ class Helper:
                 self.handle(json.loads(data), list(fds))
 
 
+def make_undumpable() -> None:
+    """Refuse ptrace, /proc/1/mem, /proc/1/environ, /proc/1/fd and pidfd_getfd to every
+    other process of the sandbox. A command's fork inherits the state until its exec,
+    which makes it dumpable again."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        failed = libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0
+        reason = os.strerror(ctypes.get_errno()) if failed else ""
+    except (ImportError, OSError, AttributeError) as error:
+        failed, reason = True, str(error)
+    if failed:
+        sys.stderr.write(f"the sandbox's helper could not make itself undumpable: {reason}\n")
+        sys.exit(1)
+
+
 def main() -> None:
+    make_undumpable()
     # Started with the helper's own source on fd 3; the commands must not inherit it.
     os.closerange(3, 1 << 16)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)

@@ -8,6 +8,8 @@ pivots into that root with fresh PID, IPC, UTS, network and cgroup namespaces, a
 ``/proc`` (``/proc/sys`` and ``/proc/sysrq-trigger`` read-only), a minimal ``/dev``, an empty environment and
 Docker's default capabilities less ``CAP_MKNOD``; the helper runs there as PID 1. With
 ``--die-with-parent`` the whole sandbox is killed when the process that started it dies.
+Every process there runs under Docker's default seccomp filter (``_seccomp``) and in a
+session keyring of the sandbox's own, joined before bubblewrap starts.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from wmo_trio.sandbox._cgroup import Limits, TrialCgroup
 from wmo_trio.sandbox._hostfs import read_tail
 from wmo_trio.sandbox._processes import Channel, wait_readable
 from wmo_trio.sandbox._rootfs import HostLayers, make_hiding_layer
+from wmo_trio.sandbox._seccomp import filter_fd, filter_problem
 
 __all__ = ["Bind", "Sandbox", "SandboxUnavailableError", "StateDir", "remove_stale_states"]
 
@@ -49,6 +52,8 @@ CAPABILITIES = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CA
                 "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP",
                 "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE")
 PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/fs")
+# Shown empty, as Docker masks them: the host root's keys, by description and owner.
+PROC_MASKED = ("/proc/keys", "/proc/key-users")
 _UNSAFE_OVERLAY_PATH = re.compile(r"[,:\\\s]")
 
 
@@ -60,8 +65,8 @@ class SandboxUnavailableError(RuntimeError):
 def unavailable(reason: str) -> SandboxUnavailableError:
     return SandboxUnavailableError(
         f"LocalEnvironment cannot run on this machine: {reason}. It needs Linux, root, "
-        "overlayfs, util-linux (unshare, mount), bubblewrap and slirp4netns "
-        "(`make test` installs the last two with apt-get). "
+        "overlayfs, util-linux (unshare, mount), bubblewrap, slirp4netns, keyutils (keyctl) "
+        "and libseccomp (`make test` installs the last four with apt-get). "
         "Use harbor's Docker environment instead (-e docker)."
     )
 
@@ -74,11 +79,11 @@ def missing_tools() -> str | None:
         return f"it runs on {os.uname().sysname}, not Linux"
     if os.geteuid() != 0:
         return "it runs as root only (it mounts overlays), and this process is not root"
-    missing = [tool for tool in ("unshare", "mount", "bwrap", "slirp4netns", "tar")
+    missing = [tool for tool in ("unshare", "mount", "bwrap", "slirp4netns", "keyctl", "tar")
                if shutil.which(tool) is None]
     if missing:
         return "missing " + ", ".join(missing) + " on PATH"
-    return None
+    return filter_problem(CAPABILITIES)
 
 
 @dataclass(frozen=True)
@@ -245,6 +250,9 @@ class Sandbox:
         mounts = await asyncio.to_thread(_prepare_root, state, host, image_layer, binds,
                                          etc_files or {})
         helper_fd = os.open(HELPER, os.O_RDONLY)
+        seccomp_fd = filter_fd(CAPABILITIES)
+        # bubblewrap reads each of these to its end, then closes it.
+        empty_fds = [os.open(os.devnull, os.O_RDONLY) for _ in PROC_MASKED]
         info_read, info_write = os.pipe()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         bwrap = [
@@ -252,12 +260,14 @@ class Sandbox:
             "--tmpfs", "/dev/shm", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             "--unshare-net", "--unshare-cgroup", "--hostname", hostname, "--die-with-parent",
             "--as-pid-1", "--clearenv", "--setenv", "PATH", DEFAULT_PATH,
-            "--info-fd", str(info_write), "--cap-drop", "ALL",
+            "--info-fd", str(info_write), "--cap-drop", "ALL", "--seccomp", str(seccomp_fd),
         ]
         for path in PROC_READ_ONLY:
             # Root may write most sysctls with no capability at all: as Docker does,
             # these stay read-only (bubblewrap covers /proc/irq and /proc/bus).
             bwrap += ["--ro-bind-try", path, path]
+        for path, empty_fd in zip(PROC_MASKED, empty_fds, strict=True):
+            bwrap += ["--ro-bind-data", str(empty_fd), path]
         for capability in CAPABILITIES:
             bwrap += ["--cap-add", capability]
         for bind in binds:
@@ -274,19 +284,22 @@ class Sandbox:
             # The launch joins the cgroup first: bubblewrap and all it starts follow.
             joins = [f"echo $$ > {_quote(str(path))}"
                      for path in (cgroup.procs_files if cgroup else ())]
-            script = " && ".join([*joins, *mounts,
-                                  "exec " + " ".join(_quote(word) for word in bwrap)])
+            # A new anonymous session keyring, so that no key of harbor's session is
+            # within reach even if a key system call ever got through the filter.
+            script = " && ".join([*joins, *mounts, "exec keyctl session - "
+                                  + " ".join(_quote(word) for word in bwrap)])
             process = await asyncio.create_subprocess_exec(
                 "unshare", "--mount", "--propagation", "private", "sh", "-c", script,
                 stdin=theirs.fileno(), stdout=asyncio.subprocess.DEVNULL, stderr=log,
-                pass_fds=(helper_fd, info_write, state.lock_fd),
+                pass_fds=(helper_fd, seccomp_fd, *empty_fds, info_write, state.lock_fd),
                 # Its own session: a Ctrl-C at harbor's terminal must not end the
                 # sandbox before harbor's own shutdown stops it.
                 start_new_session=True, env={"PATH": DEFAULT_PATH},
             )
-            for fd in (helper_fd, info_write):
+            for fd in (helper_fd, seccomp_fd, *empty_fds, info_write):
                 os.close(fd)
-            helper_fd = info_write = -1
+            helper_fd = seccomp_fd = info_write = -1
+            empty_fds = []
             theirs.close()
             channel = Channel(ours)
             helper_pid = await _read_child_pid(info_read, process, state)
@@ -323,7 +336,7 @@ class Sandbox:
         finally:
             os.close(log)
             theirs.close()
-            for fd in (helper_fd, info_write, info_read):
+            for fd in (helper_fd, seccomp_fd, *empty_fds, info_write, info_read):
                 if fd >= 0:
                     with contextlib.suppress(OSError):
                         os.close(fd)
@@ -466,7 +479,8 @@ async def _launch_failure(process: asyncio.subprocess.Process, state: StateDir) 
             await process.wait()
     # The sandbox's processes can write to this log: only its tail is read.
     tail = await asyncio.to_thread(read_tail, state.path / "launch.log", LAUNCH_LOG_TAIL)
-    lines = tail.decode(errors="replace").strip().splitlines()
+    lines = [line for line in tail.decode(errors="replace").strip().splitlines()
+             if not line.startswith("Joined session keyring")]
     return "the sandbox did not start: " + (lines[-1] if lines else "no error was printed")
 
 
