@@ -468,6 +468,36 @@ def test_where_the_sandbox_cannot_run_one_error_names_what_is_missing(
         sandbox_problem.cache_clear()
 
 
+def test_threads_that_ask_at_once_whether_the_sandbox_runs_start_one_probe(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from wmo_trio.backends import sandbox
+
+    probes: list[object] = []
+    threads: list[threading.Thread] = []
+    original = sandbox._Runner.start.__func__  # type: ignore[attr-defined]
+
+    def start(cls: type, *args: Any) -> Any:
+        if threading.current_thread() in threads:  # not a pool's, filling in the background
+            probes.append(args)
+        return original(cls, *args)
+
+    monkeypatch.setattr(sandbox._Runner, "start", classmethod(start))
+    sandbox_problem.cache_clear()
+    asking = threading.Barrier(16)
+    answers: list[str | None] = []
+
+    def ask() -> None:
+        asking.wait()
+        answers.append(sandbox_problem())
+
+    threads += [threading.Thread(target=ask) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == [None] * 16 and len(probes) == 1
+
+
 def test_bad_sandbox_settings_are_refused_naming_them() -> None:
     for bad in ({"pids": 1}, {"memory_mb": 0}, {"cpus": 0}, {"pool_size": -1}, {"pids": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -53,6 +53,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Annotated, Any
@@ -114,6 +115,28 @@ class SandboxSettings(Settings):
         return Limits(cpus=self.cpus, memory_mb=self.memory_mb, pids=self.pids)
 
 
+class _Once[T]:
+    """A function of no argument whose value the first caller computes while the others
+    wait (the threads of a burst all ask at once: `functools.cache` would let each of them
+    compute it). A failure is not kept: the next call tries again."""
+
+    def __init__(self, function: Callable[[], T]) -> None:
+        self._function = function
+        self._lock = threading.Lock()
+        self._value: tuple[T] | None = None
+        functools.update_wrapper(self, function)
+
+    def __call__(self) -> T:
+        with self._lock:
+            if self._value is None:
+                self._value = (self._function(),)
+            return self._value[0]
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self._value = None
+
+
 # -- the Python runtime a runner gets -------------------------------------------------------
 
 
@@ -142,7 +165,7 @@ def _shared_libraries(files: list[str]) -> set[str]:
     return found
 
 
-@functools.cache
+@_Once
 def python_runtime() -> PythonRuntime:
     """The runtime of the Python running wmo_trio (its base install, not a venv): the
     runner needs Python 3.8 and the standard library only."""
@@ -184,7 +207,7 @@ def runner_arguments(runtime: PythonRuntime, script_fd: int, memory_mb: int) -> 
     return arguments
 
 
-@functools.cache
+@_Once
 def _runner_script() -> int:
     """A sealed in-memory file holding `portable.py`, passed to every runner by number."""
     fd = os.memfd_create("wmo-trio-runner", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -196,7 +219,7 @@ def _runner_script() -> int:
     return fd
 
 
-@functools.cache
+@_Once
 def sandbox_problem() -> str | None:
     """Why this machine cannot run `harness_backend='sandbox'`, or None. Checked once per
     process: the first call starts one runner and waits for its hello."""
@@ -424,12 +447,15 @@ class _Runner:
         return self.process.poll() is None
 
 
-def _start_runner(runtime: PythonRuntime, settings: SandboxSettings) -> _Runner:
-    """A started runner that said hello. A start that lost the kernel's race for a new
+def _start_runner(runtime: PythonRuntime, settings: SandboxSettings,
+                  started: Callable[[_Runner], None] = lambda runner: None) -> _Runner:
+    """A started runner that said hello; `started` is told of it as soon as it exists (to
+    be killed or woken while it starts). A start that lost the kernel's race for a new
     network namespace's loopback (bubblewrap 0.8, concurrent starts) is tried again."""
     limits = settings.limits if host_cgroups().hierarchies else None
     for attempt in range(_LAUNCH_ATTEMPTS):
         runner = _Runner.start(runtime, limits, settings.memory_mb)
+        started(runner)
         problem = runner.greeted(_START_TIMEOUT_S)
         if problem is None:
             return runner
@@ -498,6 +524,8 @@ class _Pool:
             runner.close()
 
 
+_STARTS = threading.BoundedSemaphore(8 * (os.cpu_count() or 1))
+_START_POLL_S = 0.05
 _POOLS: dict[SandboxSettings, _Pool] = {}
 _POOLS_LOCK = threading.Lock()
 
@@ -595,17 +623,29 @@ class SandboxRuntime(RuntimeBase):
     def _start(self) -> _Runner:
         pool = _pool(self.settings)
         runner = pool.take() if pool is not None else None
-        if runner is None:
-            with self.control.blocking():
-                try:
-                    runner = _start_runner(python_runtime(), self.settings)
-                except OSError as error:
-                    raise TransportFailure(f"starting the sandbox failed: {error}") from error
+        if runner is not None:
+            self._hold(runner)
+            return runner
+        with self.control.blocking():
+            # A burst starts its runners a few at a time: all at once, every one of them
+            # waits for the whole burst's CPU.
+            while not _STARTS.acquire(timeout=_START_POLL_S):
+                if self._stopping():
+                    raise TransportFailure("the episode stopped before its sandbox started")
+            try:
+                return _start_runner(python_runtime(), self.settings, self._hold)
+            except OSError as error:
+                raise TransportFailure(f"starting the sandbox failed: {error}") from error
+            finally:
+                _STARTS.release()
+
+    def _hold(self, runner: _Runner) -> None:
         with self._lock:
-            self._runner = runner
+            previous, self._runner = self._runner, runner
+        if previous is not None:  # a start tried again
+            previous.close()
         if self._stopping():  # aborted while it started
             runner.kill()
-        return runner
 
 
 def _ready(readable: list[int], writable: list[int], timeout: float | None) -> set[int]:
