@@ -156,7 +156,7 @@ def test_a_program_cannot_write_host_files(tmp_path: Path, runners: Runners) -> 
     planted = tmp_path / "planted.txt"
     interpreter_dir = os.path.dirname(python_runtime().interpreter)
     result, trace = traced(f"""
-        import json, os
+        import json, os, sys
         def run(kit):
             outcome = {{}}
             for path in [{str(planted)!r}, {interpreter_dir + "/planted"!r}, "/usr/planted",
@@ -167,6 +167,12 @@ def test_a_program_cannot_write_host_files(tmp_path: Path, runners: Runners) -> 
                     outcome[path] = "written"
                 except OSError as error:
                     outcome[path] = type(error).__name__
+            script = int(sys.argv[0].rsplit("/", 1)[1])  # portable.py, shared by every runner
+            try:
+                os.write(script, b"x")
+                outcome["runner script"] = "written"
+            except OSError as error:
+                outcome["runner script"] = type(error).__name__
             kit.execute("submit", {{"answer": json.dumps(outcome)}})
     """, tmp_path)
     outcome = answer_of(result)
@@ -427,6 +433,20 @@ def test_no_backend_named_is_sandbox_for_a_program_and_local_for_the_built_in_lo
     assert resolve_backend(make_doc(), None) == "local"
     assert resolve_backend(code_doc(AGENT), "local") == "local"
     assert isinstance(build_runtime(code_doc(AGENT), Spy([{"text": "unused"}])), SandboxRuntime)
+
+
+def test_the_research_api_runs_a_program_in_the_sandbox_when_no_backend_is_named(
+        tmp_path: Path, runners: Runners) -> None:
+    async def main() -> RunResult:
+        async with wmo_trio.open_episode_pool(limit=1) as pool:
+            return await pool.run(code_doc("import os\ndef run(kit):\n    return repr(os.listdir('/'))\n"),
+                                  Scripted([{"text": "unused"}]), INSTRUCTION,
+                                  LocalProcessEnvironment(tmp_path))
+
+    result = trio.run(main)
+    assert result.stop_reason is StopReason.SUBMITTED
+    assert "work" not in result.answer and "tmp" in result.answer
+    assert len(runners.started) == 1
 
 
 def test_the_harbor_agent_chooses_the_sandbox_for_a_program_without_a_warning(

@@ -17,12 +17,16 @@ from the installed package: the same program an in-process episode runs) and
 `/tmp/wmo-trio-<sandbox id>/`, and starts `python3 -I portable.py episode.json` with its
 stdin open: the *runner*.
 
-Frame protocol (version 2). Each frame is one JSON object on one line: the runner writes
+Frame protocol (version 2; the host's half is `wmo_trio.backends._frames`, shared with the
+sandbox backend). Each frame is one JSON object on one line: the runner writes
 requests to its stdout, the host answers on its stdin (through envd's SendInput). One
 request is outstanding at a time and every reply echoes its request's `id`.
 
     runner -> host                                        host -> runner
     {"type": "hello", "protocol": 2, "python": "3.11.7"}  (none; must come first)
+                                          {"type": "episode", "spec": object} (the spec, to a
+                                           runner started as `portable.py -`: the sandbox
+                                           backend's, `wmo_trio.backends.sandbox`)
     {"type": "complete", "id": n, "request": ProviderRequest}
                                           {"type": "completion", "id": n, "response": ProviderResponse
                                            and "turns_left": int}
