@@ -303,7 +303,9 @@ def test_a_memory_bomb_is_killed_at_the_memory_ceiling_and_the_episode_says_so(
     assert "killed at its memory ceiling of 64 MiB" in last_error(result)
 
 
-def test_abort_kills_a_program_that_ignores_it(tmp_path: Path, runners: Runners) -> None:
+@pytest.mark.parametrize("stop", ["abort", "close"])
+def test_abort_or_close_kills_a_program_that_ignores_it(tmp_path: Path, runners: Runners,
+                                                        stop: str) -> None:
     provider = Spy([{"text": "ok"}])
     runtime = SandboxRuntime(code_doc("""
         import signal
@@ -314,7 +316,8 @@ def test_abort_kills_a_program_that_ignores_it(tmp_path: Path, runners: Runners)
             while True:
                 pass
     """), provider, settings=COLD)
-    threading.Thread(target=lambda: (provider.calling.wait(60), runtime.abort()), daemon=True).start()
+    threading.Thread(target=lambda: (provider.calling.wait(60), getattr(runtime, stop)()),
+                     daemon=True).start()
     try:
         result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path))
     finally:
