@@ -442,7 +442,9 @@ def test_the_research_api_runs_a_program_in_the_sandbox_when_no_backend_is_named
         tmp_path: Path, runners: Runners) -> None:
     async def main() -> RunResult:
         async with wmo_trio.open_episode_pool(limit=1) as pool:
-            return await pool.run(code_doc("import os\ndef run(kit):\n    return repr(os.listdir('/'))\n"),
+            return await pool.run(code_doc(
+                "import os\ndef run(kit):\n"
+                "    kit.execute('submit', {'answer': repr(os.listdir('/'))})\n"),
                                   Scripted([{"text": "unused"}]), INSTRUCTION,
                                   LocalProcessEnvironment(tmp_path))
 
