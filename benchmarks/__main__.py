@@ -2,8 +2,9 @@
 
 Runs every engine scenario for the asyncio baseline and for wmo_trio under each host (each
 in its own interpreter, since trio-asyncio changes asyncio's loop policy process-wide), real
-model traffic through the real SDK (`benchmarks/traffic.py`), the real harbor job, and the
-docker-free environment's start/stop cost. Writes `results.json`,
+model traffic through the real SDK (`benchmarks/traffic.py`), the real harbor job, the
+docker-free environment's start/stop cost, and what the sandbox backend adds to an episode
+over `local` (`benchmarks/sandbox_backend.py`). Writes `results.json`,
 `results.md` (each figure for the baseline and every wmo_trio host, with the ratio) and
 PNG plots of start and cancellation latency against the number of concurrent episodes.
 All figures come from this one run on this machine: compare ratios, not absolute values.
@@ -227,6 +228,36 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", "Docker-free environment: " + ", ".join(
             f"{k.replace('_', ' ')} {v:.3g}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}"
             for k, v in local.items() if isinstance(v, int | float)) + "."]
+    sandboxed = results.get("sandbox_backend")
+    if sandboxed:
+        start = sandboxed["details"]["start"]
+        burst = sandboxed["details"]["burst"]
+        lines += [
+            "",
+            f"Sandbox backend against `local` in the same run: {start['n']} sequential "
+            f"`code:runtime` episodes, then {burst['n']} at once (two {burst['latency_s']:g} s "
+            "model calls each).",
+            "",
+            "| figure | local | sandbox, pool | sandbox, no pool |",
+            "|---|---:|---:|---:|",
+            f"| start to first model call, median | {start['local']['start']['median_ms']:.1f} ms "
+            f"| {start['sandbox_pool']['start']['median_ms']:.1f} ms "
+            f"| {start['sandbox_cold']['start']['median_ms']:.1f} ms |",
+            f"| added start latency, median | - | {start['added_start_median_ms']['sandbox_pool']:.1f}"
+            f" ms | {start['added_start_median_ms']['sandbox_cold']:.1f} ms |",
+            f"| whole episode, median | {start['local']['episode']['median_ms']:.1f} ms "
+            f"| {start['sandbox_pool']['episode']['median_ms']:.1f} ms "
+            f"| {start['sandbox_cold']['episode']['median_ms']:.1f} ms |",
+            f"| {burst['n']} at once: wall / ideal | {burst['local']['wall_over_ideal']:.2f} "
+            f"| {burst['sandbox']['wall_over_ideal']:.2f} "
+            f"({_ratio(burst['sandbox']['wall_s'], burst['local']['wall_s'])}) | - |",
+            f"| {burst['n']} at once: first model call p50 / p99 | "
+            f"{burst['local']['first_call_p50_ms']:.0f} / {burst['local']['first_call_p99_ms']:.0f} ms "
+            f"| {burst['sandbox']['first_call_p50_ms']:.0f} / {burst['sandbox']['first_call_p99_ms']:.0f}"
+            " ms | - |",
+            f"| {burst['n']} at once: submitted | {burst['local']['submitted']} "
+            f"| {burst['sandbox']['submitted']} | - |",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -282,7 +313,7 @@ def update_readme(table: str) -> None:
 
 
 # What a run measures, in order; each is saved to partial.json as it ends.
-PARTS = ("engine", "traffic", "harbor_job", "local_environment")
+PARTS = ("engine", "traffic", "harbor_job", "local_environment", "sandbox_backend")
 
 
 def main() -> None:
@@ -294,12 +325,12 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true",
                         help="keep the parts a run that stopped early measured (in --out's "
                              "partial.json, same mode and day) and run only the rest")
-    parser.add_argument("--only", choices=("engine", "traffic", "harbor"),
+    parser.add_argument("--only", choices=("engine", "traffic", "harbor", "sandbox"),
                         help="one part of the suite (not with --readme)")
     args = parser.parse_args()
     if args.only and args.readme:
         parser.error("--readme needs every scenario: leave out --only")
-    parts = {args.only} if args.only else {"engine", "traffic", "harbor"}
+    parts = {args.only} if args.only else {"engine", "traffic", "harbor", "sandbox"}
     if args.skip_harbor:
         parts.discard("harbor")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -347,6 +378,12 @@ def main() -> None:
         if "local_environment" not in results:
             print("docker-free environment ...", file=sys.stderr, flush=True)
             results["local_environment"] = local_environment.run(args.quick)
+            save()
+    if "sandbox" in parts and "sandbox_backend" not in results:
+        from benchmarks import sandbox_backend
+
+        print("sandbox backend ...", file=sys.stderr, flush=True)
+        results["sandbox_backend"] = sandbox_backend.run(args.quick)
     if background is not None:
         background.join()
         if "traffic" not in results:

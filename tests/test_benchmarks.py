@@ -44,6 +44,11 @@ def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
     for agent in ("baseline", "wmo_trio", "wmo_trio_trio_host"):
         assert job[agent]["trials"] == job["n"] and job[agent]["mean_reward"] == 1.0, agent
     assert results["local_environment"]
+    sandboxed = results["sandbox_backend"]["details"]
+    assert sandboxed["burst"]["local"]["submitted"] == sandboxed["burst"]["sandbox"]["submitted"] \
+        == sandboxed["burst"]["n"]
+    assert all(sandboxed["start"][name]["start"]["median_ms"] > 0
+               for name in ("local", "sandbox_pool", "sandbox_cold"))
     table = (tmp_path / "results.md").read_text()
     assert "| scenario | baseline (asyncio) |" in table and "cancel p99" in table
     assert "Real harbor job" in table and "process CPU time / ideal wall time" in table
@@ -53,6 +58,7 @@ def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
     cores = max(2, os.cpu_count() or 1)
     assert "Beyond one process" in table and f"| wmo_trio thread | {cores} x 8 |" in table
     assert "No figures for" not in table
+    assert "| added start latency, median | - |" in table
     for plot in ("start_latency.png", "cancel_latency.png"):
         assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
 

@@ -226,6 +226,9 @@ def _assert_bad_input(completed: subprocess.CompletedProcess[str], *fragments: s
         (["-m", "anthropic/claude-sonnet-4-5"], {}, ["ANTHROPIC_API_KEY"]),
         (["-e", "docker"], {"PATH": "/nonexistent"}, ["Docker daemon", "LocalEnvironment"]),
         (["-m", "offline"], {}, ["must be kind/model"]),
+        (["--backend", "sandbox"], {"PATH": "/nonexistent"},
+         ["harness_backend='sandbox' cannot run on this machine", "bwrap"]),
+        (["--backend", "cloud"], {}, ["harness_backend must be one of 'local', 'e2b', 'sandbox'"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_starts_nothing(

@@ -28,6 +28,7 @@ from test_code_runtime import AGENT, INSTRUCTION, SOLVE, code_doc, text_call
 
 from wmo_trio.backends import build_runtime, check_backend
 from wmo_trio.backends.e2b import E2BRuntime, E2BSettings
+from wmo_trio.backends.sandbox import sandbox_problem
 from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
 from wmo_trio.episode.services import ELIDED
 from wmo_trio.harness import HarnessDoc, load_harness
@@ -39,6 +40,9 @@ HARNESS = REPO / "examples" / "harness.json"
 HELLO_TASK = REPO / "examples" / "tasks" / "hello-file"
 OFFLINE = {"kind": "scripted", "model": "offline"}
 GRACE_S = E2BSettings().sandbox_grace_s
+# The backends that run the program as a runner process, where this machine has them: each
+# must behave as the local backend does.
+RUNNERS = ["e2b"] + (["sandbox"] if sandbox_problem() is None else [])
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +153,7 @@ def test_the_built_in_loop_in_a_sandbox_is_the_local_loop(e2b: FakeE2B, tmp_path
     doc = make_doc(**params)
     window = 1024 if case == "context window" else None
     results, requests = {}, {}
-    for backend in ("local", "e2b"):
+    for backend in ("local", *RUNNERS):
         spy = Spy(script)
         (tmp_path / backend).mkdir()
         results[backend] = run_on(backend, doc, spy, tmp_path / backend, context_window=window)
@@ -157,11 +161,12 @@ def test_the_built_in_loop_in_a_sandbox_is_the_local_loop(e2b: FakeE2B, tmp_path
     assert results["local"].stop_reason is expected, results["local"].steps
     if window is not None:  # the case is meant to make the loop elide old tool outputs
         assert ELIDED in json.dumps(requests["local"])
-    assert results["e2b"].model_dump() == results["local"].model_dump()
-    assert requests["e2b"] == requests["local"]
+    for backend in RUNNERS:
+        assert results[backend].model_dump() == results["local"].model_dump(), backend
+        assert requests[backend] == requests["local"], backend
 
 
-@pytest.mark.parametrize("backend", ["local", "e2b"])
+@pytest.mark.parametrize("backend", ["local", *RUNNERS])
 def test_a_code_runtime_document_runs_on_each_backend(e2b: FakeE2B, tmp_path: Path,
                                                       backend: str) -> None:
     result = run_on(backend, code_doc(AGENT), Spy(SOLVE), tmp_path)
@@ -199,7 +204,7 @@ def test_a_program_that_raises_in_the_sandbox_ends_as_it_does_locally(e2b: FakeE
         return {}["missing"]
     """
     results = {}
-    for backend in ("local", "e2b"):
+    for backend in ("local", *RUNNERS):
         (tmp_path / backend).mkdir()
         results[backend] = run_on(backend, code_doc(source), Spy([{"text": "x"}]), tmp_path / backend)
     for result in results.values():
@@ -209,7 +214,7 @@ def test_a_program_that_raises_in_the_sandbox_ends_as_it_does_locally(e2b: FakeE
         assert 'return {}["missing"]' in result.steps[-1].observation.metadata["traceback"]
 
 
-@pytest.mark.parametrize("backend", ["local", "e2b"])
+@pytest.mark.parametrize("backend", ["local", *RUNNERS])
 def test_the_host_counts_the_budgets_even_when_the_kit_is_bypassed(e2b: FakeE2B, tmp_path: Path,
                                                                    backend: str) -> None:
     # The program is in the runner's interpreter: it can reach the channel behind the kit.
@@ -417,7 +422,8 @@ def test_check_backend_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) ->
     check_backend("e2b", None, api_key="given")
     with pytest.raises(ValueError, match="e2b_template is only valid with harness_backend='e2b'"):
         check_backend("local", "base")
-    with pytest.raises(ValueError, match="harness_backend must be one of 'local', 'e2b', got 'docker'"):
+    with pytest.raises(ValueError,
+                       match="harness_backend must be one of 'local', 'e2b', 'sandbox', got 'docker'"):
         check_backend("docker")
     with pytest.raises(ValueError, match="e2b_template must be a non-empty"):
         check_backend("e2b", " ", api_key="given")

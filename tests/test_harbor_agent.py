@@ -823,8 +823,8 @@ def test_model_name_must_be_kind_slash_model(tmp_path: Path, model_name: str | N
     refused(tmp_path, "model_name", model_name=model_name)
 
 
-@pytest.mark.parametrize("backend", ["docker", "", "LOCAL", None])
-def test_harness_backend_must_be_local_or_e2b(tmp_path: Path, backend: Any) -> None:
+@pytest.mark.parametrize("backend", ["docker", "", "LOCAL", 1])
+def test_harness_backend_must_be_local_e2b_or_sandbox(tmp_path: Path, backend: Any) -> None:
     refused(tmp_path, "harness_backend", harness_backend=backend)
 
 

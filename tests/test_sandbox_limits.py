@@ -47,6 +47,7 @@ def hierarchy_dir(controller: str, directories: tuple[Path, ...]) -> Path:
 def test_cgroup_v1_hierarchies_are_found_where_this_process_lives(tmp_path: Path) -> None:
     (tmp_path / "cpu" / "batch").mkdir(parents=True)
     (tmp_path / "memory" / "one").mkdir(parents=True)  # the mount shows /jobs
+    (tmp_path / "pids").mkdir()
     mountinfo = "\n".join([
         "22 1 0:20 / /proc rw,nosuid - proc proc rw",
         f"30 25 0:26 / {tmp_path}/cpu rw - cgroup cgroup rw,cpu,cpuacct",
@@ -58,6 +59,7 @@ def test_cgroup_v1_hierarchies_are_found_where_this_process_lives(tmp_path: Path
     assert [(h.version, h.base, sorted(h.controllers)) for h in found.hierarchies] == [
         (1, tmp_path / "cpu" / "batch", ["cpu"]),
         (1, tmp_path / "memory" / "one", ["memory"]),  # the mount's root is /jobs
+        (1, tmp_path / "pids", ["pids"]),
     ]
     assert found.reason is None
     not_root = find_hierarchies(mountinfo, membership, root=False)
@@ -74,10 +76,10 @@ def test_cgroup_v2_controllers_are_used_when_the_cgroups_children_can_have_them(
     mountinfo = f"40 25 0:30 / {tmp_path}/unified rw - cgroup2 cgroup2 rw\n"
     found = find_hierarchies(mountinfo, "0::/harbor.scope\n", root=True)
     assert [(h.version, h.base, sorted(h.controllers)) for h in found.hierarchies] == [
-        (2, base, ["cpu", "memory"])]
-    assert (base / "cgroup.subtree_control").read_text() == "+cpu"  # enabled for children
+        (2, base, ["cpu", "memory", "pids"])]
+    assert (base / "cgroup.subtree_control").read_text() == "+cpu +pids"  # for children
 
-    (base / "cgroup.controllers").write_text("io pids\n")
+    (base / "cgroup.controllers").write_text("io\n")
     none = find_hierarchies(mountinfo, "0::/harbor.scope\n", root=True)
     assert none.hierarchies == () and "no cgroup hierarchy has" in (none.reason or "")
 
@@ -166,7 +168,7 @@ class TestTrialLimits:
             async with running(environment):
                 assert not any(directory.exists() for directory in stale)
                 directories = sandbox_cgroups(environment)
-                assert len(directories) == len(HOST.hierarchies)
+                assert len(directories) == len(HOST.for_limits(Limits(cpus=1, memory_mb=256)))
                 assert all(directory.is_dir() for directory in directories)
                 await environment.exec("sleep 30 > /dev/null 2>&1 &")  # killed with it
             assert not any(directory.exists() for directory in directories)

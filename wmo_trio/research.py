@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import outcome
 import trio
 
+from wmo_trio.backends import build_runtime, check_backend, resolve_backend
 from wmo_trio.control import CallControl
 from wmo_trio.engine import call_asyncio, current_engine
 from wmo_trio.episode.environment import (
@@ -40,7 +41,7 @@ from wmo_trio.episode.environment import (
     command_timed_out,
     kill_process_group,
 )
-from wmo_trio.episode.runtime import EpisodeRuntime, Runtime, RuntimeEpisode
+from wmo_trio.episode.runtime import Runtime, RuntimeEpisode
 from wmo_trio.episode.tools import decode_output
 from wmo_trio.harness import HarnessDoc, load_harness, parse_harness
 from wmo_trio.models import RunResult
@@ -146,7 +147,9 @@ class _TrioEnvironmentAdapter(ShellEnvironment):
 class EpisodeSpec:
     """One episode to run: what `EpisodePool.run` takes, as data for fan-out.
     `episode_timeout` and `context_window` follow the harbor agent's rules
-    (`wmo_trio.settings.EpisodeSettings`)."""
+    (`wmo_trio.settings.EpisodeSettings`); `backend` is the harbor agent's
+    `harness_backend` (None: `sandbox` for a `code:runtime` document where this machine
+    can run it, else `local`; see `wmo_trio.backends`)."""
 
     doc: HarnessDoc | Mapping[str, Any] | str | Path
     provider: ProviderConfig | Mapping[str, Any] | Provider
@@ -156,20 +159,25 @@ class EpisodeSpec:
     episode_timeout: float = DEFAULT_EPISODE_TIMEOUT_S
     trace_path: str | Path | None = None
     context_window: int | None = None
+    backend: str | None = None
 
 
 class _PoolEpisode(RuntimeEpisode):
     """An `Episode` (see `wmo_trio.engine.Episode`) for a trio-native environment."""
 
     def __init__(self, spec: EpisodeSpec, settings: EpisodeSettings, doc: HarnessDoc,
-                 provider: Provider) -> None:
+                 provider: Provider, backend: str) -> None:
         super().__init__(spec.task_id, spec.instruction)
         self.spec, self.settings, self.doc, self.provider = spec, settings, doc, provider
+        self.backend = backend
+        # An E2B sandbox is killed over the network: that stop gets a thread of its own.
+        self.stop_is_quick = backend != "e2b"
 
     def start(self, control: CallControl,
               should_cancel: Callable[[], bool]) -> tuple[Runtime, Environment]:
-        runtime = EpisodeRuntime(
-            self.doc, self.provider, control=control, episode_timeout_s=self.settings.episode_timeout_sec,
+        runtime = build_runtime(
+            self.doc, self.provider, control=control, backend=self.backend,
+            episode_timeout_s=self.settings.episode_timeout_sec,
             should_cancel=should_cancel, context_window=self.settings.context_window,
         )
         return runtime, _TrioEnvironmentAdapter(self.spec.environment, control)
@@ -207,6 +215,13 @@ class _Resolved:
             known = self._docs[key] = (value, parsed)
         return known[1]
 
+    async def backend(self, doc: HarnessDoc, backend: str | None) -> str:
+        """`backend` checked and chosen for `doc` when None; off the trio thread where that
+        may look at the machine (the first look starts a sandbox)."""
+        if backend == "local" or (backend is None and doc.runtime_code is None):
+            return _checked_backend(doc, backend)
+        return await trio.to_thread.run_sync(_checked_backend, doc, backend)
+
     async def provider(self, value: ProviderConfig | Mapping[str, Any] | Provider) -> Provider:
         if not isinstance(value, ProviderConfig | Mapping):
             # The caller's own provider: prepared here, closed by the caller.
@@ -230,6 +245,11 @@ class _Resolved:
     def close(self) -> None:
         for provider in self._providers.values():
             provider.close()
+
+
+def _checked_backend(doc: HarnessDoc, backend: str | None) -> str:
+    check_backend(backend)
+    return resolve_backend(doc, backend)
 
 
 def _prepared_provider(config: dict[str, Any]) -> Provider:
@@ -271,25 +291,29 @@ class EpisodePool:
         episode_timeout: float = DEFAULT_EPISODE_TIMEOUT_S,
         trace_path: str | Path | None = None,
         context_window: int | None = None,
+        backend: str | None = None,
     ) -> RunResult:
         """Run one episode and return its result.
 
         The arguments, the document and the provider are validated first (errors are
-        raised before anything runs; `episode_timeout` and `context_window` by the harbor
-        agent's rules). If the calling scope is cancelled, the episode is stopped, its worker
-        waited for, its trace written (a partial one) under a shield, and `trio.Cancelled`
-        propagates. An exception from the episode is raised as itself.
+        raised before anything runs; `episode_timeout`, `context_window` and `backend` by
+        the harbor agent's rules: see `EpisodeSpec`). If the calling scope is cancelled,
+        the episode is stopped, its worker waited for, its trace written (a partial one)
+        under a shield, and `trio.Cancelled` propagates. An exception from the episode is
+        raised as itself.
         """
         return await self.run_spec(EpisodeSpec(
             doc, provider, instruction, environment, task_id=task_id,
-            episode_timeout=episode_timeout, trace_path=trace_path, context_window=context_window))
+            episode_timeout=episode_timeout, trace_path=trace_path, context_window=context_window,
+            backend=backend))
 
     async def run_spec(self, spec: EpisodeSpec) -> RunResult:
         settings: EpisodeSettings = EpisodeSettings.parse(
             {"episode_timeout": spec.episode_timeout, "context_window": spec.context_window})
         doc = await self._resolved.doc(spec.doc)
+        backend = await self._resolved.backend(doc, spec.backend)
         provider = await self._resolved.provider(spec.provider)
-        episode = _PoolEpisode(spec, settings, doc, provider)
+        episode = _PoolEpisode(spec, settings, doc, provider, backend)
         async with self._limiter:
             return await current_engine().run_episode(episode, workers=self.limit)
 

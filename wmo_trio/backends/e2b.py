@@ -17,12 +17,16 @@ from the installed package: the same program an in-process episode runs) and
 `/tmp/wmo-trio-<sandbox id>/`, and starts `python3 -I portable.py episode.json` with its
 stdin open: the *runner*.
 
-Frame protocol (version 2). Each frame is one JSON object on one line: the runner writes
+Frame protocol (version 2; the host's half is `wmo_trio.backends._frames`, shared with the
+sandbox backend). Each frame is one JSON object on one line: the runner writes
 requests to its stdout, the host answers on its stdin (through envd's SendInput). One
 request is outstanding at a time and every reply echoes its request's `id`.
 
     runner -> host                                        host -> runner
     {"type": "hello", "protocol": 2, "python": "3.11.7"}  (none; must come first)
+                                          {"type": "episode", "spec": object} (the spec, to a
+                                           runner started as `portable.py -`: the sandbox
+                                           backend's, `wmo_trio.backends.sandbox`)
     {"type": "complete", "id": n, "request": ProviderRequest}
                                           {"type": "completion", "id": n, "response": ProviderResponse
                                            and "turns_left": int}
@@ -73,20 +77,27 @@ import math
 import queue
 import shlex
 import threading
-from dataclasses import dataclass
 from importlib import resources
 from typing import Annotated, Any
 
 from e2b import CommandExitException, Sandbox
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import Field
 
+from wmo_trio.backends._frames import (
+    MAX_FRAME_BYTES,
+    WAKE,
+    Exited,
+    ProtocolViolation,
+    TransportFailure,
+    ended_early,
+    serve_frames,
+)
 from wmo_trio.episode.environment import Environment
-from wmo_trio.episode.portable import PROTOCOL
 from wmo_trio.episode.runtime import RuntimeBase
 from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, episode_mode, episode_spec
 from wmo_trio.harness import HarnessDoc
-from wmo_trio.models import Action, ActionKind, RunResult, Step, StopReason
-from wmo_trio.providers.base import Provider, ProviderRequest
+from wmo_trio.models import RunResult, StopReason
+from wmo_trio.providers.base import Provider
 from wmo_trio.settings import NonEmptyText, PositiveSeconds, Settings, TemplateName
 
 __all__ = ["DEFAULT_TEMPLATE", "E2BRuntime", "E2BSettings"]
@@ -95,8 +106,7 @@ log = logging.getLogger("wmo_trio.backends.e2b")
 
 DEFAULT_TEMPLATE = "base"
 RUNNER_SOURCE = resources.files("wmo_trio.episode").joinpath("portable.py").read_text(encoding="utf-8")
-# A frame is a model request or reply: large, but never this large.
-MAX_FRAME_CHARS = 16 * 1024 * 1024
+MAX_FRAME_CHARS = MAX_FRAME_BYTES
 _STDERR_TAIL_CHARS = 2000
 
 
@@ -119,25 +129,6 @@ class E2BSettings(Settings):
     transport_retries: Annotated[int, Field(ge=0, description="an integer >= 0")] = 0
     sandbox_grace_s: PositiveSeconds = 60.0
     request_timeout_s: PositiveSeconds = 60.0
-
-
-class _TransportFailure(Exception):
-    """The sandbox side failed: creation, the runner process, or its byte stream."""
-
-
-class _ProtocolViolation(Exception):
-    """The runner sent a well-formed frame that the protocol does not allow."""
-
-
-@dataclass(frozen=True)
-class _Exited:
-    """The runner's output stream ended: its exit code, or why the stream broke."""
-
-    exit_code: int | None
-    error: str | None = None
-
-
-_WAKE = object()  # put in the frame queue to make the serving thread look at its boundaries
 
 
 class _RunnerProcess:
@@ -169,7 +160,7 @@ class _RunnerProcess:
             self._frames.put(line)
         if len(self._buffer) > MAX_FRAME_CHARS:
             self._overflowed = True
-            self._frames.put(_Exited(None, f"the runner wrote over {MAX_FRAME_CHARS} characters "
+            self._frames.put(Exited(None, f"the runner wrote over {MAX_FRAME_CHARS} characters "
                                            "without ending a frame"))
 
     def _on_stderr(self, chunk: str) -> None:
@@ -178,58 +169,34 @@ class _RunnerProcess:
     def _read(self) -> None:
         try:
             result = self._handle.wait(on_stdout=self._on_stdout, on_stderr=self._on_stderr)
-            exited = _Exited(result.exit_code)
+            exited = Exited(result.exit_code)
         except CommandExitException as error:
-            exited = _Exited(error.exit_code)
+            exited = Exited(error.exit_code)
         except Exception as error:
-            exited = _Exited(None, f"{type(error).__name__}: {error}")
+            exited = Exited(None, f"{type(error).__name__}: {error}")
         self._frames.put(exited)
 
     def next(self, timeout: float | None) -> object:
-        """The next line, an `_Exited`, or `_WAKE` (woken, or `timeout` passed)."""
+        """The next line, an `Exited`, or `WAKE` (woken, or `timeout` passed)."""
         try:
             return self._frames.get(timeout=None if timeout is None else max(0.0, timeout))
         except queue.Empty:
-            return _WAKE
+            return WAKE
 
     def wake(self) -> None:
-        self._frames.put(_WAKE)
+        self._frames.put(WAKE)
 
     def send(self, frame: dict[str, Any]) -> None:
         try:
             self.sandbox.commands.send_stdin(self._handle.pid, json.dumps(frame) + "\n",
                                              request_timeout=self._request_timeout_s)
         except Exception as error:
-            raise _TransportFailure(
+            raise TransportFailure(
                 f"could not send a frame to the runner: {type(error).__name__}: {error}"
             ) from error
 
-    def describe(self, exited: _Exited) -> str:
-        if exited.error is not None:
-            text = f"the runner's output stream failed before its done frame: {exited.error}"
-        else:
-            text = f"the runner exited with code {exited.exit_code} before its done frame"
-        tail = self._stderr.strip()
-        return text + (f"; its stderr ends with:\n{tail}" if tail else "")
-
-
-def _frame_field(frame: dict[str, Any], name: str, kind: type, *, optional: bool = False) -> Any:
-    value = frame.get(name)
-    if value is None and optional:
-        return None
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise _ProtocolViolation(f"{frame.get('type')!r} frame: field {name!r} must be "
-                                 f"{kind.__name__}, got {type(value).__name__}")
-    return value
-
-
-def _validated[M: BaseModel](model: type[M], data: object, what: str) -> M:
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or what}: {e['msg']}"
-                             for e in error.errors()[:3])
-        raise _ProtocolViolation(f"invalid {what}: {problems}") from None
+    def describe(self, exited: Exited) -> str:
+        return ended_early(exited, self._stderr)
 
 
 class E2BRuntime(RuntimeBase):
@@ -309,7 +276,7 @@ class E2BRuntime(RuntimeBase):
             known = len(self.sandbox_ids)
             try:
                 return self._attempt(services, payload, task_id)
-            except _TransportFailure as failure:
+            except TransportFailure as failure:
                 services.boundary()  # a sandbox killed by abort() or the budget ends as that
                 where = {"attempt": attempt, "sandbox_id": self._new_sandbox_id(known)}
                 if attempt <= retries and services.env_actions == 0:
@@ -321,7 +288,7 @@ class E2BRuntime(RuntimeBase):
                        if attempt <= retries else "")
                 services.record_error(f"sandbox transport failed: {failure}{why}", **where)
                 return StopReason.ERROR, ""
-            except _ProtocolViolation as violation:
+            except ProtocolViolation as violation:
                 services.record_error(f"the sandbox runner broke the frame protocol: {violation}",
                                       attempt=attempt, sandbox_id=self._new_sandbox_id(known))
                 return StopReason.ERROR, ""
@@ -344,7 +311,7 @@ class E2BRuntime(RuntimeBase):
                     request_timeout=self.settings.request_timeout_s,
                 )
         except Exception as error:
-            raise _TransportFailure(f"creating a sandbox from template {self.settings.template!r} "
+            raise TransportFailure(f"creating a sandbox from template {self.settings.template!r} "
                                     f"failed: {type(error).__name__}: {error}") from error
         with self._lock:
             self._sandbox = sandbox
@@ -371,7 +338,7 @@ class E2BRuntime(RuntimeBase):
                 handle = sandbox.commands.run(command, background=True, stdin=True, cwd=workdir,
                                               timeout=lifetime)
         except Exception as error:
-            raise _TransportFailure(
+            raise TransportFailure(
                 f"starting the runner failed: {type(error).__name__}: {error}") from error
         runner = _RunnerProcess(sandbox, handle, self.settings.request_timeout_s)
         with self._lock:
@@ -379,57 +346,4 @@ class E2BRuntime(RuntimeBase):
         return self._serve(runner, services)
 
     def _serve(self, runner: _RunnerProcess, services: EpisodeServices) -> tuple[StopReason, str]:
-        greeted = False
-        while True:
-            with self.control.blocking():
-                item = runner.next(self.control.remaining())
-            services.boundary()
-            if item is _WAKE:
-                continue
-            if isinstance(item, _Exited):
-                raise _TransportFailure(runner.describe(item))
-            assert isinstance(item, str)
-            try:
-                frame = json.loads(item)
-            except ValueError:
-                raise _TransportFailure(
-                    f"the runner sent a line that is not a JSON frame: {item[:200]!r}") from None
-            if not isinstance(frame, dict):
-                raise _ProtocolViolation(f"a frame must be a JSON object, got {item[:200]!r}")
-            kind = frame.get("type")
-            if not greeted:
-                if kind != "hello" or frame.get("protocol") != PROTOCOL:
-                    raise _ProtocolViolation(
-                        f"expected a hello frame for protocol {PROTOCOL}, got {item[:200]!r}")
-                greeted = True
-            elif kind == "complete":
-                frame_id = _frame_field(frame, "id", int)
-                request = _validated(ProviderRequest, frame.get("request"), "model request")
-                response = services.completion(request)
-                with self.control.blocking():
-                    runner.send({"type": "completion", "id": frame_id, "response": response})
-            elif kind == "execute":
-                frame_id = _frame_field(frame, "id", int)
-                action = Action(
-                    kind=ActionKind.TOOL_CALL,
-                    name=_frame_field(frame, "tool", str),
-                    arguments=_frame_field(frame, "arguments", dict, optional=True),
-                    content=_frame_field(frame, "content", str, optional=True),
-                )
-                observation = services.execute(
-                    action, _frame_field(frame, "parse_error", str, optional=True))
-                with self.control.blocking():
-                    runner.send({"type": "observation", "id": frame_id,
-                                 "observation": observation.model_dump(mode="json")})
-            elif kind == "step":
-                step = _validated(Step, frame.get("step"), "step")
-                if step.action.kind is not ActionKind.MESSAGE:
-                    raise _ProtocolViolation("a step frame may only carry a message step; tool "
-                                             "calls are recorded by the host as it answers them")
-                services.record_step(step.action, step.observation)
-            elif kind == "done":
-                reason = frame.get("stop_reason")
-                answer = _frame_field(frame, "answer", str, optional=True) or ""
-                return services.finish(reason if isinstance(reason, str) else repr(reason), answer)
-            else:
-                raise _ProtocolViolation(f"unknown frame type {kind!r}")
+        return serve_frames(runner, services, self.control)

@@ -103,7 +103,10 @@ def run(
     = 300.0,
     command_timeout: Annotated[int, typer.Option("--command-timeout",
                                                  help="Per-command timeout, 1..240 s.")] = 240,
-    backend: Annotated[str, typer.Option("--backend", help="local or e2b.")] = "local",
+    backend: Annotated[str | None, typer.Option(
+        "--backend", help="Where the episode's program runs: local, e2b or sandbox. Default: "
+        "sandbox for a code:runtime document where this machine can run it, else local.")]
+    = None,
 ) -> None:
     """Run a harbor job with the wmo_trio agent, trio owning the loop (trio-asyncio)."""
     import trio

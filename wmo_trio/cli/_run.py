@@ -58,7 +58,7 @@ class RunOptions:
     provider_settings: dict[str, Any] = field(default_factory=dict)
     episode_timeout: float = 300.0
     command_timeout: int = 240
-    backend: str = "local"
+    backend: str | None = None
 
 
 def _task_configs(paths: list[Path]) -> tuple[list[Any], list[Any]]:
@@ -119,11 +119,12 @@ def build_job_config(options: RunOptions) -> Any:
     kwargs: dict[str, Any] = {
         "harness": str(harness.resolve()),
         "provider_config": {"kind": kind, "model": model, **options.provider_settings},
-        "harness_backend": options.backend,
         "episode_timeout_sec": options.episode_timeout,
         "command_timeout_sec": options.command_timeout,
         "episode_workers": max(options.concurrency, 1),
     }
+    if options.backend is not None:
+        kwargs["harness_backend"] = options.backend
     # Build the agent once, here, so that every check it makes (document, provider kind,
     # API key, timeouts) fails now, before a job directory exists.
     with tempfile.TemporaryDirectory() as scratch:

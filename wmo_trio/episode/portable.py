@@ -10,7 +10,10 @@ The same program runs in both places an episode can run:
   host's services directly;
 - in an E2B sandbox (`wmo_trio.backends.e2b`), which uploads this very file and starts it
   as `python3 -I portable.py EPISODE_JSON`; the channel is then JSON frames on the
-  process's stdin and stdout (`HostChannel`).
+  process's stdin and stdout (`HostChannel`);
+- in a bubblewrap sandbox on this machine (`wmo_trio.backends.sandbox`), started as
+  `python3 -I -S portable.py -` before its episode is known: the spec then arrives as the
+  host's first frame, `{"type": "episode", "spec": ...}`, so a runner can wait ready.
 
 So everything here is plain Python 3.8+ with nothing but the standard library, and every
 value crossing the channel is JSON-shaped. Nothing a program does to this module (it runs
@@ -23,20 +26,18 @@ into the frame stream), says hello, runs the episode's program and reports how i
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import json
 import linecache
 import os
-import platform
 import re
 import sys
-import traceback
 import types
-from typing import IO, TYPE_CHECKING, Any
 
+# Not `typing.TYPE_CHECKING`: importing typing is a fifth of a sandboxed runner's start.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
+    from typing import IO, Any
 
 PROTOCOL = 2
 CODE_FILENAME = "code:runtime"
@@ -258,7 +259,9 @@ def run_program(source: str, kit: Kit) -> dict[str, Any]:
         if not callable(run):
             raise TypeError("code:runtime does not define a callable 'run'")
         result = run(kit)
-        if inspect.iscoroutine(result):
+        if isinstance(result, types.CoroutineType):
+            import asyncio  # only here: its import is most of a runner's start
+
             result = asyncio.run(result)
         if result is not None and not isinstance(result, str):
             raise TypeError(f"run(kit) returned {type(result).__name__}; it must return "
@@ -287,6 +290,8 @@ def returned_step(text: str) -> dict[str, Any]:
 
 def error_step(error: BaseException) -> dict[str, Any]:
     """The step that records a program's exception: type and message, and a traceback."""
+    import traceback
+
     message = str(error)
     if len(message) > _MAX_ERROR_TEXT:
         message = message[:_MAX_ERROR_TEXT] + " [...]"
@@ -456,6 +461,18 @@ class HostChannel:
                                 f"got {line[:200]!r}")
         return reply
 
+    def episode(self) -> dict[str, Any]:
+        """The episode's spec, the host's first frame when the runner started before it."""
+        line = self._replies.readline()
+        if not line:
+            raise HostGone("the host closed the channel before it sent the episode")
+        frame = json.loads(line)
+        if not isinstance(frame, dict) or frame.get("type") != "episode" \
+                or not isinstance(frame.get("spec"), dict):
+            raise ProtocolError(f"expected the episode frame, got {line[:200]!r}")
+        spec: dict[str, Any] = frame["spec"]
+        return spec
+
     def complete(self, request: Mapping[str, Any]) -> dict[str, Any]:
         reply = self._request({"type": "complete", "request": dict(request)}, "completion")
         response: dict[str, Any] = reply["response"]
@@ -476,10 +493,8 @@ class HostChannel:
 
 def main(argv: Sequence[str]) -> int:
     if len(argv) != 2:
-        sys.stderr.write("usage: portable.py EPISODE_JSON\n")
+        sys.stderr.write("usage: portable.py EPISODE_JSON|-\n")
         return 2
-    with open(argv[1], encoding="utf-8") as file:
-        spec = json.load(file)
     # Keep the frame streams on private descriptors and point 0 and 1 elsewhere, so that
     # nothing the program prints or runs can corrupt (or read) the frames.
     frames = os.fdopen(os.dup(1), "wb")
@@ -490,8 +505,14 @@ def main(argv: Sequence[str]) -> int:
     sys.stdout = sys.stderr
     sys.stdin = open(os.devnull, encoding="utf-8")
     channel = HostChannel(frames, replies)
-    channel.send({"type": "hello", "protocol": PROTOCOL, "python": platform.python_version()})
+    channel.send({"type": "hello", "protocol": PROTOCOL,
+                  "python": ".".join(map(str, sys.version_info[:3]))})
     try:
+        if argv[1] == "-":
+            spec = channel.episode()
+        else:
+            with open(argv[1], encoding="utf-8") as file:
+                spec = json.load(file)
         outcome = run_episode(spec, channel)
     except HostGone:
         return 0

@@ -25,7 +25,7 @@ from harbor.models.agent.context import AgentContext
 from pydantic import AfterValidator, BeforeValidator, Field
 
 from wmo_trio import __version__
-from wmo_trio.backends import BackendChoice, build_runtime, check_e2b_key
+from wmo_trio.backends import BackendChoice, build_runtime, check_e2b_key, check_sandbox, resolve_backend
 from wmo_trio.control import CallControl
 from wmo_trio.engine import DEFAULT_EPISODE_WORKERS, host_for_running_loop, settle_heap
 from wmo_trio.episode.environment import Environment
@@ -111,8 +111,12 @@ class AgentArguments(EpisodeSettings, BackendChoice):
 def _checked_arguments(model_name: str | None, arguments: Mapping[str, object], *,
                        check_model_name: bool = True) -> tuple[AgentArguments, Provider]:
     """Every keyword argument checked, each failure a `ValueError` naming it; the
-    arguments and the provider for the agent's trial."""
+    arguments (the backend chosen when none was named) and the provider for the agent's
+    trial."""
     checked: AgentArguments = AgentArguments.parse(arguments)
+    if checked.harness_backend is None:
+        checked = checked.model_copy(update={
+            "harness_backend": resolve_backend(checked.harness, checked.harness_backend)})
     config = checked.provider_config
     if check_model_name and model_name != config.model_name:
         raise ValueError(
@@ -121,6 +125,8 @@ def _checked_arguments(model_name: str | None, arguments: Mapping[str, object], 
         )
     if checked.harness_backend == "e2b":
         check_e2b_key()
+    elif checked.harness_backend == "sandbox":
+        check_sandbox()
     try:
         provider = build_provider(config)
     except ProviderConfigError as error:
@@ -139,7 +145,7 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
     capabilities: ClassVar[AgentCapabilities] = AgentCapabilities(atif=True)
 
     def __init__(self, logs_dir: Path, model_name: str | None = None, *, harness: Any = None,
-                 provider_config: Any = None, harness_backend: str = "local",
+                 provider_config: Any = None, harness_backend: str | None = None,
                  e2b_template: str | None = None,
                  command_timeout_sec: int = MAX_COMMAND_TIMEOUT_SEC,
                  episode_timeout_sec: float = DEFAULT_EPISODE_TIMEOUT_S,
@@ -166,7 +172,8 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         if arguments.harness.runtime_code is not None and arguments.harness_backend == "local":
             self.logger.warning(
                 "harness %s: code:runtime runs in this process with the host's rights "
-                "(trusted code only); use harness_backend='e2b' for mutated candidates",
+                "(trusted code only); use harness_backend='sandbox' (Linux with bubblewrap) "
+                "or 'e2b' for mutated candidates",
                 arguments.harness.name,
             )
 
@@ -291,9 +298,10 @@ class HarborEpisode(RuntimeEpisode):
         self._logs_dir = logs_dir
         self._session_id = session_id
         self._timed_out = timed_out
-        # Aborting a local runtime only sets flags; aborting an E2B one kills its sandbox
-        # over the network, so the engine gives that stop a thread of its own.
-        self.stop_is_quick = arguments.harness_backend == "local"
+        # Aborting a local runtime only sets flags, a sandboxed one sends a signal; aborting
+        # an E2B one kills its sandbox over the network, so the engine gives that stop a
+        # thread of its own.
+        self.stop_is_quick = arguments.harness_backend != "e2b"
         self._cancel_reason: str | None = None
 
     def start(self, control: CallControl,

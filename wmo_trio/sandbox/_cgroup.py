@@ -1,5 +1,5 @@
-"""A trial's CPU and memory ceilings (``task.toml``'s ``cpus`` and ``memory_mb``) as a
-cgroup of its own.
+"""A trial's CPU and memory ceilings (``task.toml``'s ``cpus`` and ``memory_mb``), and a
+ceiling on its processes where one is given, as a cgroup of its own.
 
 A trial's cgroup is made beside nothing of anyone else's: a child of the harbor
 process's own cgroup, in every hierarchy that holds the ``cpu`` or ``memory``
@@ -32,7 +32,7 @@ PREFIX = "wmo-trio."
 CPU_PERIOD_US = 100_000
 # The kernel's smallest CFS quota.
 MIN_CPU_QUOTA_US = 1_000
-CONTROLLERS = ("cpu", "memory")
+CONTROLLERS = ("cpu", "memory", "pids")
 # How long a stop waits for the kernel to empty a cgroup whose processes were killed;
 # one left busy is removed by a later start.
 REMOVE_PATIENCE_SEC = 2.0
@@ -40,22 +40,26 @@ REMOVE_PATIENCE_SEC = 2.0
 
 @dataclass(frozen=True)
 class Limits:
-    """Ceilings for one trial: CPUs (fractions allowed) and memory in MiB; None is
-    no ceiling."""
+    """Ceilings for one trial: CPUs (fractions allowed), memory in MiB and processes
+    (threads count); None is no ceiling."""
 
     cpus: float | None = None
     memory_mb: int | None = None
+    pids: int | None = None
 
     def __post_init__(self) -> None:
         if self.cpus is not None and not self.cpus > 0:
             raise ValueError(f"cpus must be a positive number of CPUs, not {self.cpus!r}")
         if self.memory_mb is not None and not self.memory_mb > 0:
             raise ValueError(f"memory_mb must be a positive number of MiB, not {self.memory_mb!r}")
+        if self.pids is not None and not self.pids > 0:
+            raise ValueError(f"pids must be a positive number of processes, not {self.pids!r}")
 
     @property
     def wanted(self) -> tuple[str, ...]:
         """The controllers these limits need."""
-        return tuple(name for name, value in (("cpu", self.cpus), ("memory", self.memory_mb))
+        return tuple(name for name, value in (("cpu", self.cpus), ("memory", self.memory_mb),
+                                              ("pids", self.pids))
                      if value is not None)
 
 
@@ -269,6 +273,8 @@ def _write_limits(directory: Path, hierarchy: Hierarchy, limits: Limits) -> None
             write("memory.limit_in_bytes", memory)
             if (directory / "memory.memsw.limit_in_bytes").exists():
                 write("memory.memsw.limit_in_bytes", 2 * memory)
+    if limits.pids is not None and "pids" in hierarchy.controllers:
+        write("pids.max", limits.pids)
 
 
 def remove_stale_cgroups(host: HostCgroups | None = None) -> list[Path]:

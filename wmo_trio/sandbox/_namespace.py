@@ -86,6 +86,18 @@ def missing_tools() -> str | None:
     return filter_problem(CAPABILITIES)
 
 
+def hardening_arguments(capabilities: Sequence[str]) -> list[str]:
+    """bubblewrap's arguments for what every sandbox of this project holds to, whatever
+    runs in it (a trial, or an episode's program: ``wmo_trio.backends.sandbox``): no
+    capability but ``capabilities``, and /proc's writable corners read-only."""
+    arguments = ["--cap-drop", "ALL"]
+    for path in PROC_READ_ONLY:  # see Sandbox._launch
+        arguments += ["--ro-bind-try", path, path]
+    for capability in capabilities:
+        arguments += ["--cap-add", capability]
+    return arguments
+
+
 @dataclass(frozen=True)
 class Bind:
     source: str
