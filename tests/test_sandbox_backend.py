@@ -9,6 +9,7 @@ sandboxes it started are gone: their processes reaped, their cgroups removed.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -237,6 +238,33 @@ def test_a_program_reaches_neither_the_hosts_loopback_nor_the_network(
     outcome = answer_of(result)
     assert all(value != "connected" for value in outcome.values()), outcome
     assert outcome["127.0.0.1"] == "ConnectionRefusedError"  # a loopback of its own
+    assert trace["stop_reason"] == "submitted"
+
+
+def test_a_program_runs_under_the_trial_sandboxes_system_call_filter(tmp_path: Path,
+                                                                     runners: Runners) -> None:
+    """Docker's default profile and a keyring of its own, as in every trial sandbox: the
+    kernel keyring, new user namespaces and io_uring are refused."""
+    result, trace = traced("""
+        import ctypes, json, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        def errno_of(number, *arguments):
+            if libc.syscall(number, *arguments) == -1:
+                return os.strerror(ctypes.get_errno())
+            return "allowed"
+        def run(kit):
+            outcome = {
+                # x86_64 numbers: add_key, keyctl(KEYCTL_GET_KEYRING_ID, @u), unshare(NEWUSER),
+                # io_uring_setup
+                "add_key": errno_of(248, b"user", b"probe", b"x", 1, ctypes.c_int(-4)),
+                "keyctl": errno_of(250, 0, ctypes.c_int(-4), 0),
+                "unshare": errno_of(272, 0x10000000),
+                "io_uring_setup": errno_of(425, 1, ctypes.create_string_buffer(120)),
+            }
+            kit.execute("submit", {"answer": json.dumps(outcome)})
+    """, tmp_path)
+    outcome = answer_of(result)
+    assert outcome == dict.fromkeys(outcome, os.strerror(errno.EPERM)), outcome
     assert trace["stop_reason"] == "submitted"
 
 

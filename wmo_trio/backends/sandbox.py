@@ -21,7 +21,9 @@ What the runner gets (see `runner_arguments`):
   tree. Smaller than the docker-free environment's overlay root on purpose: a program
   needs Python and nothing else, and every file left out is one it cannot read;
 - every namespace bubblewrap offers (user, PID, IPC, UTS, network with only a loopback
-  of its own, cgroup), an empty environment, a new session, no capability;
+  of its own, cgroup), an empty environment, a new session, no capability; the trial
+  sandboxes' system-call filter (Docker's default profile: `wmo_trio.sandbox._seccomp`)
+  and a session keyring of its own;
 - a cgroup of its own (`wmo_trio.sandbox._cgroup.TrialCgroup`, where this machine offers
   cgroups): ceilings on CPUs, memory and processes (`SandboxSettings`);
 - death with the thread that started it (bubblewrap's `--die-with-parent`), and a kill
@@ -77,6 +79,7 @@ from wmo_trio.models import RunResult, StopReason
 from wmo_trio.providers.base import Provider
 from wmo_trio.sandbox._cgroup import Limits, TrialCgroup, host_cgroups
 from wmo_trio.sandbox._namespace import hardening_arguments
+from wmo_trio.sandbox._seccomp import filter_fd, filter_problem
 from wmo_trio.settings import Settings
 
 __all__ = ["SandboxRuntime", "SandboxSettings", "sandbox_problem"]
@@ -186,12 +189,14 @@ def python_runtime() -> PythonRuntime:
     return PythonRuntime(interpreter, tuple(binds), masked)
 
 
-def runner_arguments(runtime: PythonRuntime, script_fd: int, memory_mb: int) -> list[str]:
+def runner_arguments(runtime: PythonRuntime, script_fd: int, seccomp_fd: int,
+                     memory_mb: int) -> list[str]:
     """bubblewrap's command line for one runner (see the module docstring): the script is
-    read from `script_fd`, the episode from its stdin."""
+    read from `script_fd`, the system-call filter from `seccomp_fd`, the episode from its
+    stdin."""
     arguments = [
         "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
-        *hardening_arguments(()),
+        "--seccomp", str(seccomp_fd), *hardening_arguments(()),
         "--proc", "/proc", "--dev", "/dev",
         "--size", str(memory_mb << 20), "--tmpfs", "/tmp",
     ]
@@ -227,6 +232,11 @@ def sandbox_problem() -> str | None:
         return f"it needs Linux (namespaces and bubblewrap), and this is {sys.platform}"
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not on PATH: install it (Debian: apt-get install bubblewrap)"
+    if shutil.which("keyctl") is None:
+        return "keyctl is not on PATH: install it (Debian: apt-get install keyutils)"
+    problem = filter_problem(())
+    if problem is not None:
+        return f"its system-call filter cannot be built: {problem}"
     try:
         runtime = python_runtime()
     except (OSError, subprocess.SubprocessError) as error:
@@ -284,18 +294,24 @@ class _Runner:
         script = _runner_script()
         cgroup = TrialCgroup.create(limits) if limits is not None else None
         joins = "".join(f"echo $$ > '{path}' && " for path in (cgroup.procs_files if cgroup else ()))
+        seccomp = -1
         try:
+            seccomp = filter_fd(())
+            # A session keyring of its own (as every trial sandbox has), then bubblewrap.
             process = subprocess.Popen(
-                ["/bin/sh", "-c", joins + 'exec "$@"', "sh",
-                 *runner_arguments(runtime, script, memory_mb)],
+                ["/bin/sh", "-c", joins + 'exec keyctl session - "$@"', "sh",
+                 *runner_arguments(runtime, script, seccomp, memory_mb)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(script,), env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-                start_new_session=True,
+                pass_fds=(script, seccomp),
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, start_new_session=True,
             )
         except BaseException:
             if cgroup is not None:
                 cgroup.remove(patience=0.0)
             raise
+        finally:
+            if seccomp >= 0:
+                os.close(seccomp)
         return cls(process, cgroup, memory_mb)
 
     def greeted(self, timeout: float) -> str | None:
@@ -378,7 +394,10 @@ class _Runner:
 
     def describe(self, exited: Exited) -> str:
         why = f" (killed at its memory ceiling of {self.memory_mb} MiB)" if self._out_of_memory() else ""
-        return ended_early(exited, self._stderr, why)
+        # keyctl's own note on joining the session keyring is not the runner's last word.
+        stderr = "".join(line for line in self._stderr.splitlines(keepends=True)
+                         if not line.startswith("Joined session keyring"))
+        return ended_early(exited, stderr, why)
 
     def _out_of_memory(self) -> bool:
         for directory in self.cgroup.directories if self.cgroup else ():
