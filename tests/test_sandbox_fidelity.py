@@ -151,6 +151,27 @@ def test_copy_from_a_named_stage_or_an_index_keeps_owners_and_links(tmp_path: Pa
         "/from-stage/sub/link 1234:1234 symbolic link\n", "first-stage\nbuilt\n"]
 
 
+def test_copy_from_a_stage_expands_globs_and_applies_chown(tmp_path: Path) -> None:
+    assert outputs_in(tmp_path, """\
+        FROM debian:bookworm-slim AS build
+        RUN mkdir -p /src/lib && echo a > /src/lib/a.so && echo b > /src/lib/b.so
+        FROM debian:bookworm-slim
+        RUN useradd -u 4321 agent
+        COPY --from=build --chown=agent:agent /src/lib/*.so /usr/local/lib/mine/
+        """, "stat -c '%n %u' /usr/local/lib/mine/a.so /usr/local/lib/mine/b.so") == [
+        "/usr/local/lib/mine/a.so 4321\n/usr/local/lib/mine/b.so 4321\n"]
+
+
+def test_a_bare_arg_in_a_stage_takes_the_default_declared_before_from(tmp_path: Path) -> None:
+    assert outputs_in(tmp_path, """\
+        ARG SUITE=bookworm
+        ARG TOOL_VERSION=1.2.3
+        FROM debian:${SUITE}-slim
+        ARG TOOL_VERSION
+        RUN echo "$TOOL_VERSION" > /version
+        """, "cat /version") == ["1.2.3\n"]
+
+
 def test_only_the_stages_the_image_needs_are_built() -> None:
     plan = build_plan(parse("FROM debian AS unused\nRUN exit 1\nFROM debian AS tools\n"
                             "FROM debian\nCOPY --from=tools /bin/sh /sh\n"), {})

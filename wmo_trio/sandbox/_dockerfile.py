@@ -196,6 +196,9 @@ class Stage:
     index: int
     base: str  # the image its chain starts from
     instructions: tuple[Instruction, ...]
+    # The ARGs declared before the first FROM: an ARG of the stage without a value takes
+    # its value from these, as under Docker.
+    global_args: Mapping[str, str] = field(default_factory=dict)
 
 
 def build_plan(instructions: list[Instruction], build_args: Mapping[str, str]) -> list[Stage]:
@@ -272,7 +275,8 @@ def build_plan(instructions: list[Instruction], build_args: Mapping[str, str]) -
                 visit(read)
                 instruction = replace(instruction, flags={**instruction.flags, "from": str(read)})
             steps.append(instruction)
-        plan[index] = Stage(index=index, base=base, instructions=tuple(steps))
+        plan[index] = Stage(index=index, base=base, instructions=tuple(steps),
+                            global_args=dict(global_args))
 
     visit(len(declared) - 1)
     return list(plan.values())

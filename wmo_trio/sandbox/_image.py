@@ -250,7 +250,8 @@ class ImageCache:
                                                network=True, hostname="build",
                                                etc_files=NETWORK_ETC_FILES)
                 sandboxes.append(sandbox)
-                builder = _Builder(sandbox.channel, context, build_args, log, sources)
+                builder = _Builder(sandbox.channel, context, build_args, log, sources,
+                                   stage.global_args)
                 for instruction in stage.instructions:
                     await builder.step(instruction)
                 sources[stage.index] = sandbox.channel
@@ -396,8 +397,10 @@ class _Builder:
     """Carries out one stage's instructions in a build sandbox."""
 
     def __init__(self, channel: Channel, context: Path, build_args: Mapping[str, str],
-                 log: Any, stages: Mapping[int, Channel] | None = None) -> None:
+                 log: Any, stages: Mapping[int, Channel] | None = None,
+                 global_args: Mapping[str, str] | None = None) -> None:
         self.channel = channel
+        self.global_args = dict(global_args or {})
         self.stages = dict(stages or {})  # built stages a COPY --from reads, by index
         self.context = context.resolve()
         self.build_args = dict(build_args)
@@ -438,7 +441,8 @@ class _Builder:
         keyword = instruction.keyword
         if keyword == "ARG":
             for name, default in assignments(instruction, self.variables):
-                value = self.build_args.get(name, default)
+                value = self.build_args.get(name, self.global_args.get(name) if default is None
+                                            else default)
                 if value is not None:
                     self.args[name] = value
         elif keyword == "ENV":
