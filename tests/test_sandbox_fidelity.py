@@ -106,6 +106,14 @@ def test_a_run_that_is_one_heredoc_runs_it_with_its_shebang_or_the_shell(
         """, "cat /from-python", "cat /from-shell") == ["python ran\n", "shell ran\n"]
 
 
+def test_a_heredoc_too_long_for_one_argument_still_builds(tmp_path: Path) -> None:
+    body = "\n".join(f"line {n} " + "x" * 100 for n in range(1500))  # over 128 KiB
+    dockerfile = (f"FROM debian:bookworm-slim\nRUN cat > /big <<'EOF'\n{body}\nEOF\n"
+                  f"RUN <<EOF\n: '{body}'\necho ran > /script-ran\nEOF\n")
+    assert outputs_in(tmp_path, dockerfile, "wc -l < /big; cat /script-ran; ls /tmp") == [
+        "1500\nran\n"]
+
+
 def test_copy_writes_heredocs_as_files(tmp_path: Path) -> None:
     assert outputs_in(tmp_path, """\
         FROM debian:bookworm-slim

@@ -27,6 +27,7 @@ import shlex
 import tarfile
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,6 +57,10 @@ __all__ = ["BuildError", "Image", "ImageCache", "ImageConfig", "default_cache_di
 
 FORMAT_VERSION = 1
 LOCK_POLL_SEC = 0.05
+# A RUN's script longer than this is read from a file: the kernel refuses a single
+# argument over MAX_ARG_STRLEN (32 pages).
+LONG_ARGUMENT = 96 << 10
+SCRIPT_PLACEHOLDER = "\0script\0"  # where a RUN's command names its script's file
 # Written into a build's /etc so that RUN reaches the registries; not part of the image.
 NETWORK_ETC_FILES = {"resolv.conf": "nameserver 10.0.2.3\n"}
 
@@ -473,31 +478,51 @@ class _Builder:
             else:
                 self.config.cmd = command
         elif keyword == "RUN":
-            await self._run(instruction, self._run_argv(instruction), user=self.config.user,
-                            cwd=self.workdir)
+            await self._run_step(instruction)
         elif keyword in ("COPY", "ADD"):
             await self._copy(instruction)
 
-    def _run_argv(self, instruction: Instruction) -> list[str]:
-        """A RUN's command. As BuildKit does: a RUN that is one here-document runs it as
-        its script (a ``#!`` line picks the interpreter); otherwise the shell gets the
-        line with each document after it, so every body feeds the command its marker
-        follows, and the shell expands (or, quoted, keeps) what it holds."""
+    def _run_argv(self, instruction: Instruction) -> tuple[list[str], str | None]:
+        """A RUN's command, and the text of a script it runs from a file (named
+        SCRIPT_PLACEHOLDER in the command) or None.
+
+        As BuildKit does: a RUN that is one here-document runs it as its script (a
+        ``#!`` line picks the interpreter); otherwise the shell gets the line with each
+        document after it, so every body feeds the command its marker follows, and the
+        shell expands (or, quoted, keeps) what it holds. A script too long for one
+        argument (the kernel refuses one over MAX_ARG_STRLEN) is read from a file."""
         exec_form = instruction.json_list()
         if exec_form is not None and not instruction.heredocs:
-            return exec_form
+            return exec_form, None
         script = instruction.argument
         documents = instruction.heredocs
         if len(documents) == 1 and script.strip() == documents[0].marker:
-            content = documents[0].content
-            if content.startswith("#!"):
-                runner = ('f=$(mktemp) || exit 1; printf %s "$1" > "$f" && chmod 700 "$f" && '
-                          '"$f"; s=$?; rm -f -- "$f"; exit $s')
-                return ["sh", "-c", runner, "sh", content]
-            return [*self.config.shell, content]
-        if documents:
+            script = documents[0].content
+            if script.startswith("#!"):
+                return [SCRIPT_PLACEHOLDER], script
+        elif documents:
             script = script + "\n" + "".join(document.script for document in documents)
-        return [*self.config.shell, script]
+        if len(script.encode()) > LONG_ARGUMENT:
+            return [*self.config.shell, f". {SCRIPT_PLACEHOLDER}"], script
+        return [*self.config.shell, script], None
+
+    async def _run_step(self, instruction: Instruction) -> None:
+        argv, script = self._run_argv(instruction)
+        if script is None:
+            await self._run(instruction, argv, user=self.config.user, cwd=self.workdir)
+            return
+        path = f"/tmp/.wmo-trio-run-{uuid.uuid4().hex}"
+        with tempfile.TemporaryFile() as text:
+            text.write(script.encode())
+            text.seek(0)
+            await self._run(instruction, ["sh", "-c", 'mkdir -p /tmp && cat > "$1" && '
+                                          'chmod 755 "$1"', "sh", path],
+                            user=None, cwd="/", stdin=text.fileno())
+        try:
+            await self._run(instruction, [word.replace(SCRIPT_PLACEHOLDER, path) for word in argv],
+                            user=self.config.user, cwd=self.workdir)
+        finally:
+            await self.channel.run(["rm", "-f", "--", path], env=self._env(), cwd="/")
 
     async def has_sudo(self) -> bool:
         """Whether the image has a ``sudo`` on its PATH."""
