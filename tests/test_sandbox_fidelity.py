@@ -135,9 +135,11 @@ def test_an_unterminated_heredoc_is_one_error_naming_its_line() -> None:
         parse("FROM debian\nRUN cat > /x <<EOF\nbody\n")
 
 
-def test_a_heredoc_marker_inside_quotes_or_exec_form_is_text() -> None:
-    [_, quoted, exec_form] = parse("FROM debian\nRUN echo '<<EOF'\nRUN [\"echo\", \"<<EOF\"]\n")
-    assert quoted.heredocs == () and exec_form.heredocs == ()
+def test_a_heredoc_marker_inside_quotes_exec_form_or_a_word_is_text() -> None:
+    [_, quoted, exec_form, shift, here_string] = parse(
+        "FROM debian\nRUN echo '<<EOF'\nRUN [\"echo\", \"<<EOF\"]\nRUN echo $((1<<4))\n"
+        "RUN cat <<<word\n")
+    assert quoted.heredocs == exec_form.heredocs == shift.heredocs == here_string.heredocs == ()
 
 
 # ---------------------------------------------------------------------- COPY --from

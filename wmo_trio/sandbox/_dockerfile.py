@@ -93,9 +93,19 @@ _FLAG = re.compile(r"--([a-z-]+)(?:=(\S*))?")
 HEREDOC_KEYWORDS = frozenset({"RUN", "COPY", "ADD"})
 
 
+def _starts_word(text: str, index: int) -> bool:
+    """Whether ``text[index:]`` begins a whitespace-separated word, after the digits of a
+    file descriptor if any: BuildKit takes a word that starts with ``<<`` for a marker,
+    so ``$((1<<4))`` is arithmetic."""
+    start = index
+    while start > 0 and text[start - 1].isdigit():
+        start -= 1
+    return start == 0 or text[start - 1].isspace()
+
+
 def _heredoc_markers(text: str) -> list[re.Match[str]]:
-    """The ``<<NAME`` markers of a shell-form line, outside quotes, in order (``<<<``
-    is a here-string, not a marker)."""
+    """The ``<<NAME`` markers of a shell-form line, outside quotes, each starting a word,
+    in order (``<<<`` is a here-string, not a marker)."""
     found = []
     quote = ""
     index = 0
@@ -109,7 +119,7 @@ def _heredoc_markers(text: str) -> list[re.Match[str]]:
         elif char in "'\"":
             quote = char
         elif text.startswith("<<", index) and not text.startswith("<<<", index) and (
-                index == 0 or text[index - 1] != "<"):
+                _starts_word(text, index)):
             match = _HEREDOC.match(text, index)
             if match:
                 found.append(match)
