@@ -3,7 +3,8 @@
 ``FROM`` is not pulled: the host's system directories stand in for every base image
 (see :mod:`wmo_trio.sandbox._rootfs`). The other instructions are carried out in a
 sandbox whose writes land in one directory: ``RUN`` runs there with the package
-registries reachable, ``COPY``/``ADD`` unpack build-context files there, and ``ENV``,
+registries reachable, ``COPY``/``ADD`` unpack build-context files, here-documents and
+files of an earlier stage (built in a sandbox of its own) there, and ``ENV``,
 ``ARG``, ``WORKDIR``, ``USER``, ``SHELL``, ``ENTRYPOINT`` and ``CMD`` are recorded as
 the image's configuration. The result is cached under the hash of the Dockerfile, its
 build context, the build arguments and the host's layers, and reused by every trial of
