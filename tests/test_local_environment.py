@@ -273,17 +273,6 @@ def test_sixteen_concurrent_trials_all_pass(tmp_path: Path) -> None:
 
 
 @pytest.mark.harbor
-def test_log_dirs_bound_to_the_trial_dir_with_auto_mounting(tmp_path: Path) -> None:
-    completed = run_harbor(tmp_path / "jobs", "-p", str(TASKS / "hello-file"), "-a", "oracle",
-                           "--ek", "auto_mounting=true")
-    results = trial_results(tmp_path / "jobs")
-    assert completed.returncode == 0, completed.stderr
-    [(name, result)] = results.items()
-    assert reward(result) == 1.0
-    assert (tmp_path / "jobs" / "job" / name / "verifier" / "reward.txt").read_text() == "1\n"
-
-
-@pytest.mark.harbor
 def test_agent_timeout_kills_the_agent_command_and_leaves_nothing(tmp_path: Path) -> None:
     task = tmp_path / "slow-task"
     shutil.copytree(TASKS / "hello-file", task)
@@ -679,21 +668,6 @@ def test_upload_and_download_a_directory_round_trip(tmp_path: Path) -> None:
             assert (target / "sub" / "new.txt").stat().st_uid == os.getuid()
             with pytest.raises(FileNotFoundError):
                 await environment.download_dir("/no/such/dir", tmp_path / "nothing")
-
-    run(scenario)
-
-
-def test_auto_mounting_binds_the_trial_log_dirs_to_the_host(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        environment = make_environment(tmp_path, auto_mounting=True)
-        paths = EnvironmentPaths()
-        host_verifier_dir = environment.trial_paths.verifier_dir
-        environment.trial_paths.chmod_dir()  # as harbor's trial does when auto-mounting
-        async with running(environment):
-            assert environment.is_path_mounted(paths.verifier_dir, host_verifier_dir)
-            written = await environment.exec("echo 1 > /logs/verifier/reward.txt", user="nobody")
-            assert written.return_code == 0
-            assert (host_verifier_dir / "reward.txt").read_text() == "1\n"
 
     run(scenario)
 

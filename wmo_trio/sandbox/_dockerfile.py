@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-__all__ = ["DockerfileError", "Instruction", "expand", "final_stage", "parse"]
+__all__ = ["DockerfileError", "Heredoc", "Instruction", "Stage", "build_plan", "expand", "parse"]
 
 # Instructions that change nothing a running trial sees.
 IGNORED = frozenset({"EXPOSE", "LABEL", "MAINTAINER", "STOPSIGNAL", "HEALTHCHECK", "VOLUME",
@@ -24,12 +24,35 @@ class DockerfileError(ValueError):
 
 
 @dataclass(frozen=True)
+class Heredoc:
+    """A here-document: ``<<NAME`` (expanded), ``<<'NAME'`` (kept as written), ``<<-NAME``
+    (leading tabs dropped)."""
+
+    name: str
+    body: str  # the lines as written, each ending in a newline
+    marker: str  # as it stands in the instruction
+    strip_tabs: bool = False
+    quoted: bool = False
+
+    @property
+    def content(self) -> str:
+        if not self.strip_tabs:
+            return self.body
+        return "".join(line.lstrip("\t") for line in self.body.splitlines(keepends=True))
+
+    @property
+    def script(self) -> str:
+        """The document as a shell reads it after its marker: body, then the end line."""
+        return f"{self.body}{self.name}\n"
+
+
+@dataclass(frozen=True)
 class Instruction:
     keyword: str
     argument: str
     line: int
     flags: dict[str, str] = field(default_factory=dict)
-    heredoc: str | None = None
+    heredocs: tuple[Heredoc, ...] = ()
     origin: str = ""  # where it comes from when not from the task's Dockerfile
 
     def describe(self) -> str:
@@ -64,12 +87,52 @@ DERIVED_BASES = {
     ),
 }
 
-_HEREDOC = re.compile(r"<<(-?)([\"']?)([A-Za-z_][A-Za-z0-9_]*)\2")
+_HEREDOC = re.compile(r"<<(-?)([\"']?)([A-Za-z0-9_][A-Za-z0-9_.-]*)\2")
 _FLAG = re.compile(r"--([a-z-]+)(?:=(\S*))?")
+# Instructions whose arguments may hold here-documents, as BuildKit reads them.
+HEREDOC_KEYWORDS = frozenset({"RUN", "COPY", "ADD"})
 
 
-def _logical_lines(text: str) -> Iterator[tuple[int, str, str | None]]:
-    """(first line number, instruction text, heredoc body) with continuations joined."""
+def _starts_word(text: str, index: int) -> bool:
+    """Whether ``text[index:]`` begins a whitespace-separated word, after the digits of a
+    file descriptor if any: BuildKit takes a word that starts with ``<<`` for a marker,
+    so ``$((1<<4))`` is arithmetic."""
+    start = index
+    while start > 0 and text[start - 1].isdigit():
+        start -= 1
+    return start == 0 or text[start - 1].isspace()
+
+
+def _heredoc_markers(text: str) -> list[re.Match[str]]:
+    """The ``<<NAME`` markers of a shell-form line, outside quotes, each starting a word,
+    in order (``<<<`` is a here-string, not a marker)."""
+    found = []
+    quote = ""
+    index = 0
+    while index < len(text):
+        char = text[index]
+        if char == "\\" and quote != "'":
+            index += 2
+            continue
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif text.startswith("<<", index) and not text.startswith("<<<", index) and (
+                _starts_word(text, index)):
+            match = _HEREDOC.match(text, index)
+            if match:
+                found.append(match)
+                index = match.end()
+                continue
+        index += 1
+    return found
+
+
+def _logical_lines(text: str) -> Iterator[tuple[int, str, tuple[Heredoc, ...]]]:
+    """(first line number, instruction text, its here-documents) with continuations
+    joined; a here-document's body is the lines after the instruction, in the order of
+    the markers."""
     lines = text.splitlines()
     index = 0
     while index < len(lines):
@@ -91,24 +154,32 @@ def _logical_lines(text: str) -> Iterator[tuple[int, str, str | None]]:
                 break
         parts.append(raw)
         joined = " ".join(part.strip() for part in parts if part.strip())
-        heredoc = None
-        match = _HEREDOC.search(joined)
-        if match:
-            body = []
-            while index < len(lines) and lines[index].strip() != match.group(3):
-                line = lines[index]
-                body.append(line.lstrip("\t") if match.group(1) else line)
-                index += 1
-            index += 1  # the terminator
-            heredoc = "\n".join(body) + "\n"
-            joined = (joined[: match.start()] + joined[match.end():]).strip()
-        yield start + 1, joined, heredoc
+        keyword, _, rest = joined.partition(" ")
+        heredocs: list[Heredoc] = []
+        if keyword.upper() in HEREDOC_KEYWORDS and not rest.lstrip().startswith("["):
+            for match in _heredoc_markers(joined):
+                strip_tabs, name = bool(match.group(1)), match.group(3)
+                body = []
+                while True:
+                    if index >= len(lines):
+                        raise DockerfileError(f"line {start + 1}: the here-document {name} "
+                                              f"never ends (no line {name!r} after it)")
+                    line = lines[index]
+                    index += 1
+                    if (line.lstrip("\t") if strip_tabs else line) == name:
+                        break
+                    body.append(line + "\n")
+                heredocs.append(Heredoc(name=name, body="".join(body), marker=match.group(0),
+                                        strip_tabs=strip_tabs, quoted=bool(match.group(2))))
+        yield start + 1, joined, tuple(heredocs)
 
 
 def parse(text: str) -> list[Instruction]:
-    """Every instruction of a Dockerfile, flags (``--chown=...``) split off."""
+    """Every instruction of a Dockerfile, flags (``--chown=...``) split off. A RUN keeps
+    its here-document markers where they stand (its shell reads them); a COPY or ADD
+    has them taken out of its sources."""
     instructions = []
-    for line, content, heredoc in _logical_lines(text):
+    for line, content, heredocs in _logical_lines(text):
         keyword, _, argument = content.partition(" ")
         keyword = keyword.upper()
         argument = argument.strip()
@@ -119,52 +190,106 @@ def parse(text: str) -> list[Instruction]:
             while match := _FLAG.match(argument):
                 flags[match.group(1)] = match.group(2) or ""
                 argument = argument[match.end():].lstrip()
-        instructions.append(Instruction(keyword, argument, line, flags, heredoc))
+        if keyword in ("COPY", "ADD"):
+            for heredoc in heredocs:
+                argument = argument.replace(heredoc.marker, "", 1)
+            argument = " ".join(argument.split()) if heredocs else argument
+        instructions.append(Instruction(keyword, argument, line, flags, heredocs))
     return instructions
 
 
-def final_stage(instructions: list[Instruction], build_args: Mapping[str, str]) -> list[Instruction]:
-    """The instructions that make the last stage, with the stages it is built ``FROM``
-    put first, and the global ``ARG``s its ``FROM`` lines may use."""
-    stages: list[tuple[str, str, list[Instruction]]] = []  # (name, base, body)
-    global_args: list[Instruction] = []
+@dataclass(frozen=True)
+class Stage:
+    """A stage to build: its own instructions after those of the stages it is built
+    ``FROM``; each ``COPY --from`` names the index of the stage it reads."""
+
+    index: int
+    base: str  # the image its chain starts from
+    instructions: tuple[Instruction, ...]
+    # The ARGs declared before the first FROM: an ARG of the stage without a value takes
+    # its value from these, as under Docker.
+    global_args: Mapping[str, str] = field(default_factory=dict)
+
+
+def build_plan(instructions: list[Instruction], build_args: Mapping[str, str]) -> list[Stage]:
+    """The stages that make the image, each after the stages it copies from; the last
+    one is the image. Stages nothing needs are not built, as under BuildKit.
+
+    Raises :class:`DockerfileError` for what cannot be built here: ``FROM scratch``, or
+    a ``COPY --from`` naming an image rather than a stage of this Dockerfile.
+    """
+    declared: list[tuple[str, str, list[Instruction]]] = []  # (name, base, body)
+    global_args: dict[str, str] = {}
     for instruction in instructions:
         if instruction.keyword == "FROM":
             words = instruction.argument.split()
             if not words:
                 raise DockerfileError(f"{instruction.describe()}: FROM names no image")
             name = words[2].lower() if len(words) >= 3 and words[1].upper() == "AS" else ""
-            stages.append((name, words[0].lower(), []))
-        elif not stages:
+            declared.append((name, expand(words[0], global_args).lower(), []))
+        elif not declared:
             if instruction.keyword != "ARG":
                 raise DockerfileError(f"{instruction.describe()}: only ARG may come before FROM")
-            global_args.append(instruction)
+            for arg, default in assignments(instruction, global_args):
+                value = build_args.get(arg, default)
+                if value is not None:
+                    global_args[arg] = value
         else:
-            stages[-1][2].append(instruction)
-    if not stages:
+            declared[-1][2].append(instruction)
+    if not declared:
         raise DockerfileError("the Dockerfile has no FROM instruction")
-    by_name = {name: (base, body) for name, base, body in stages if name}
-    chain: list[Instruction] = []
-    _, base, body = stages[-1]
-    seen = set()
-    while True:
-        chain[:0] = body
-        if base not in by_name or base in seen:
-            break
-        seen.add(base)
-        base, body = by_name[base]
-    if base == "scratch":
-        raise DockerfileError("FROM scratch cannot be built here: the host's userland is the "
-                              "base image of every task")
-    for prefix, lines in DERIVED_BASES.items():
-        if base.startswith(prefix):
-            chain[:0] = [replace(step, origin=f"base image {base}") for step in parse(lines)]
-    for instruction in chain:
-        source = instruction.flags.get("from")
-        if instruction.keyword in ("COPY", "ADD") and source is not None:
-            raise DockerfileError(f"{instruction.describe()}: COPY --from (another stage or "
-                                  "image) is not supported by the docker-free environment")
-    return chain
+    by_name = {name: index for index, (name, _, _) in enumerate(declared) if name}
+
+    def chain(index: int) -> tuple[str, list[Instruction]]:
+        body: list[Instruction] = []
+        seen = set()
+        while True:
+            _, base, own = declared[index]
+            body[:0] = own
+            if base not in by_name or base in seen:
+                break
+            seen.add(base)
+            index = by_name[base]
+        if base == "scratch":
+            raise DockerfileError("FROM scratch cannot be built here: the host's userland is "
+                                  "the base image of every task")
+        for prefix, lines in DERIVED_BASES.items():
+            if base.startswith(prefix):
+                body[:0] = [replace(step, origin=f"base image {base}") for step in parse(lines)]
+        return base, body
+
+    def source(instruction: Instruction, stage: int) -> int:
+        value = instruction.flags["from"]
+        key = value.lower()
+        index = int(key) if key.isdigit() else by_name.get(key)
+        if index is None:
+            raise DockerfileError(
+                f"{instruction.describe()}: --from={value} names an image, not a stage of this "
+                "Dockerfile; the docker-free environment builds only the Dockerfile's own "
+                "stages (use -e docker for a task that copies from an image)")
+        if index >= stage:
+            raise DockerfileError(f"{instruction.describe()}: --from={value} must name a stage "
+                                  "defined before this one")
+        return index
+
+    plan: dict[int, Stage] = {}
+
+    def visit(index: int) -> None:
+        if index in plan:
+            return
+        base, body = chain(index)
+        steps = []
+        for instruction in body:
+            if instruction.keyword in ("COPY", "ADD") and "from" in instruction.flags:
+                read = source(instruction, index)
+                visit(read)
+                instruction = replace(instruction, flags={**instruction.flags, "from": str(read)})
+            steps.append(instruction)
+        plan[index] = Stage(index=index, base=base, instructions=tuple(steps),
+                            global_args=dict(global_args))
+
+    visit(len(declared) - 1)
+    return list(plan.values())
 
 
 _VARIABLE = re.compile(r"\\\$|\$(?:\{(\w+)(?:(:[-+])([^}]*))?\}|(\w+))")

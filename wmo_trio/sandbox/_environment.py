@@ -7,6 +7,7 @@ import contextlib
 import fnmatch
 import hashlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -21,6 +22,7 @@ from harbor.environments.capabilities import (
 from harbor.environments.definition import require_agent_environment_definition
 from harbor.models.task.config import NetworkMode
 from harbor.models.trial.config import ResourceMode
+from harbor.models.trial.paths import EnvironmentPaths
 from harbor.utils.path_filter import filter_paths_by_patterns
 
 from wmo_trio.sandbox import _transfer
@@ -53,6 +55,15 @@ BUILD_LOG = "sandbox-build.log"
 KEEPALIVE = ["sh", "-c", "sleep infinity"]
 # Tasks whose limits this process already said it cannot enforce: once each, not per trial.
 _WARNED_UNENFORCED: set[str] = set()
+# What this process already said once, not per trial: the auto_mounting refusal, and
+# the tasks whose image's sudo cannot work here.
+_SAID_ONCE: set[str] = set()
+# Harbor would bind the trial's log directories to world-writable host directories and
+# read what the trial leaves there on the host, following the trial's symlinks.
+AUTO_MOUNTING_REFUSED = (
+    "LocalEnvironment refuses --ek auto_mounting=true: the trial would write straight into "
+    "world-writable host directories that harbor reads, following the trial's links; leave "
+    "it out and harbor copies the logs out of each trial instead")
 
 
 class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
@@ -72,6 +83,10 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
       the job's datasets and tasks or the jobs directory is visible.
     - It runs as root on Linux with bubblewrap, slirp4netns and util-linux; elsewhere
       ``preflight`` and ``start`` fail with one error pointing to ``-e docker``.
+    - ``--ek auto_mounting=true`` is refused (each trial fails with one line): harbor
+      would make the trial's host directories world-writable and read what the trial
+      left there through its links. Harbor is told nothing is mounted, so it copies
+      the logs out of the trial.
     - ``--ek state_dir=...`` (default ``$TMPDIR/wmo-trio-sandbox``) holds trials' upper
       directories, ``--ek cache_dir=...`` (default ``~/.cache/wmo-trio/sandbox``) the
       built images, ``--ek build_args='{"NAME": "value"}'`` sets ``ARG`` values.
@@ -99,6 +114,16 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             timeout_sec=_positive("download_timeout_sec", download_timeout_sec,
                                   _transfer.DEFAULT_DOWNLOAD_TIMEOUT_SEC),
         )
+        # Taken from harbor before it sees it: harbor would make the trial's host
+        # directories world-writable when it made the environment. Every start of the
+        # trial is refused instead, in one line (harbor has no preflight that sees the
+        # environment's options, and an error raised here ends the job in a traceback).
+        self._refusal: str | None = None
+        if kwargs.pop("auto_mounting", False) is True:
+            self._refusal = AUTO_MOUNTING_REFUSED
+            if "auto_mounting" not in _SAID_ONCE:
+                _SAID_ONCE.add("auto_mounting")
+                logging.getLogger(__name__).error("%s", AUTO_MOUNTING_REFUSED)
         self._state_root = Path(state_dir) if state_dir else default_state_root()
         self._cache = ImageCache(Path(cache_dir) if cache_dir else default_cache_dir())
         if isinstance(build_args, str):
@@ -110,6 +135,8 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             raise ValueError("build_args must be a JSON object of strings, e.g. '{\"V\": \"1\"}'")
         self._build_args = dict(build_args or {})
         self._sandbox: Sandbox | None = None
+        self._started = False  # a sandbox ran, whether or not it still does
+        self._said_not_started = False
         self._image: Image | None = None
         self._config = ImageConfig()
         self._shell = "sh"
@@ -122,7 +149,10 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
 
     @property
     def capabilities(self) -> EnvironmentCapabilities:
-        return EnvironmentCapabilities(mounted=True, disable_internet=True)
+        # Not mounted: harbor then copies every log directory out through download_dir
+        # and never reads a host path a trial could have written (a bind mount it asked
+        # for with --mounts still binds, but harbor does not read through it).
+        return EnvironmentCapabilities(mounted=False, disable_internet=True)
 
     @classmethod
     def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
@@ -214,6 +244,8 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         a ``BuildError`` naming the failed Dockerfile step. If cancelled meanwhile, the
         half-started sandbox and its directory are removed.
         """
+        if self._refusal is not None:
+            raise ValueError(self._refusal)
         if self._sandbox is not None:
             raise RuntimeError(f"environment {self.session_id} is already started")
         reason = missing_tools()
@@ -234,6 +266,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                                       "cache (wmo-trio sandbox prune) to rebuild it")
                 image = await self._build_image(host)
                 self._config = image.config
+                self._warn_about_sudo(image)
             elif self.task_env_config.docker_image:
                 self.logger.debug("docker_image %s: the host's userland stands in for it",
                                   self.task_env_config.docker_image)
@@ -251,6 +284,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                 limits=self._limits(),
             )
             self._image = image
+            self._started = True
             await self._prepare()
         except BaseException:
             sandbox, self._sandbox = self._sandbox, None
@@ -273,6 +307,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                     self.environment_dir, host, task_name=self.environment_name,
                     build_args=self._build_args,
                     build_timeout_sec=self.task_env_config.build_timeout_sec, log=log,
+                    notice=lambda text: self.logger.warning("%s: %s", self.environment_name, text),
                 )
             except TimeoutError:
                 raise RuntimeError(
@@ -284,6 +319,17 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             finally:
                 if log.tell() == 0:
                     log_path.unlink(missing_ok=True)
+
+    def _warn_about_sudo(self, image: Image) -> None:
+        user = image.config.user
+        if (not image.has_sudo or user is None or user.partition(":")[0] in ("root", "0")
+                or f"sudo:{self.environment_name}" in _SAID_ONCE):
+            return
+        _SAID_ONCE.add(f"sudo:{self.environment_name}")
+        self.logger.warning(
+            "%s: sudo does not work for the image's USER %s here: bubblewrap sets no_new_privs, "
+            "so setuid programs gain no privileges; run the task with -e docker where it "
+            "needs sudo", self.environment_name, user)
 
     def _binds(self) -> list[Bind]:
         binds = []
@@ -305,12 +351,16 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         """Create the working directory and world-writable mount targets (as Docker's
         start does), pick the shell, start the ENTRYPOINT."""
         sandbox = self._require_sandbox()
-        writable = set(self._mount_targets(writable_only=True))
+        # Harbor's log directories are there even when harbor named no mounts (it names
+        # them for its trials; an environment made on its own gets them too).
+        paths = EnvironmentPaths.for_os(self.os)
+        targets = dict.fromkeys([*self._mount_targets(writable_only=True),
+                                 *map(str, (paths.agent_dir, paths.verifier_dir,
+                                            paths.artifacts_dir))])
         script = ('mkdir -p -- "$1"; shift; for d; do mkdir -p -- "$d" && chmod 777 -- "$d"; '
                   'done; if [ -x /bin/bash ]; then echo bash; else echo sh; fi')
         completed = await sandbox.channel.run(
-            ["sh", "-c", script, "sh", self._default_workdir,
-             *[t for t in self._mount_targets() if t in writable]],
+            ["sh", "-c", script, "sh", self._default_workdir, *targets],
             env={"PATH": DEFAULT_PATH}, cwd="/",
         )
         self._shell = completed.stdout.decode().strip() or "sh"
@@ -437,9 +487,24 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         await _transfer.upload_dir(self._require_sandbox().open_root, Path(source_dir),
                                    target_dir)
 
+    def _never_started(self) -> bool:
+        """Whether there is nothing to copy out because the trial never started (its
+        build failed): said in one line for the trial, since harbor logs a raised error
+        with its traceback and the build's."""
+        if self._sandbox is not None or self._started:
+            return False
+        if not self._said_not_started and self._refusal is None:
+            self.logger.warning("nothing to copy out of %s: its environment did not start",
+                                self.session_id)
+        self._said_not_started = True
+        return True
+
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
         """Copy a file out of the trial (within the download limits); the host copy
-        belongs to harbor's user."""
+        belongs to harbor's user. Nothing is copied (and nothing raised) when the trial
+        never started."""
+        if self._never_started():
+            return
         await _transfer.download_file(self._require_sandbox().open_root, source_path,
                                       Path(target_path), self._transfer_limits)
 
@@ -471,6 +536,8 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
 
     async def _download(self, source_dir: str, target_dir: Path | str,
                         **options: Any) -> None:
+        if self._never_started():  # nothing to copy, and nothing raised
+            return
         outcome = await _transfer.download_dir(self._require_sandbox().open_root, source_dir,
                                                Path(target_dir), self._transfer_limits,
                                                **options)

@@ -3,7 +3,8 @@
 ``FROM`` is not pulled: the host's system directories stand in for every base image
 (see :mod:`wmo_trio.sandbox._rootfs`). The other instructions are carried out in a
 sandbox whose writes land in one directory: ``RUN`` runs there with the package
-registries reachable, ``COPY``/``ADD`` unpack build-context files there, and ``ENV``,
+registries reachable, ``COPY``/``ADD`` unpack build-context files, here-documents and
+files of an earlier stage (built in a sandbox of its own) there, and ``ENV``,
 ``ARG``, ``WORKDIR``, ``USER``, ``SHELL``, ``ENTRYPOINT`` and ``CMD`` are recorded as
 the image's configuration. The result is cached under the hash of the Dockerfile, its
 build context, the build arguments and the host's layers, and reused by every trial of
@@ -15,16 +16,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import glob
 import hashlib
+import io
 import json
 import os
 import posixpath
+import re
 import shlex
 import tarfile
 import tempfile
 import time
-from collections.abc import Mapping
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,9 +37,10 @@ from typing import Any
 from wmo_trio.sandbox._dockerfile import (
     DockerfileError,
     Instruction,
+    Stage,
     assignments,
+    build_plan,
     expand,
-    final_stage,
     read,
 )
 from wmo_trio.sandbox._hostfs import FileTooLarge, read_beneath, remove_beneath
@@ -46,13 +52,17 @@ from wmo_trio.sandbox._namespace import (
     remove_tree,
     same_file,
 )
-from wmo_trio.sandbox._processes import Channel, SpawnFailed
+from wmo_trio.sandbox._processes import Channel, Completed, SpawnFailed
 from wmo_trio.sandbox._rootfs import HostLayers
 
 __all__ = ["BuildError", "Image", "ImageCache", "ImageConfig", "default_cache_dir"]
 
 FORMAT_VERSION = 1
 LOCK_POLL_SEC = 0.05
+# A RUN's script longer than this is read from a file: the kernel refuses a single
+# argument over MAX_ARG_STRLEN (32 pages).
+LONG_ARGUMENT = 96 << 10
+SCRIPT_PLACEHOLDER = "\0script\0"  # where a RUN's command names its script's file
 # Written into a build's /etc so that RUN reaches the registries; not part of the image.
 NETWORK_ETC_FILES = {"resolv.conf": "nameserver 10.0.2.3\n"}
 
@@ -97,6 +107,7 @@ class Image:
     layer: Path
     config: ImageConfig
     lock_fd: int  # held shared while a trial uses the image, so prune leaves it alone
+    has_sudo: bool = False
 
     def release(self) -> None:
         with contextlib.suppress(OSError):
@@ -167,11 +178,12 @@ class ImageCache:
         build_args: Mapping[str, str],
         build_timeout_sec: float | None,
         log: Any = None,
+        notice: Callable[[str], None] | None = None,
     ) -> Image:
         """The task's image, built now if no trial built it before. Holds the image's
         lock shared until :meth:`Image.release`. Raises :class:`DockerfileError` for a
         Dockerfile that cannot be built here, :class:`BuildError` for a failed step."""
-        instructions = final_stage(read(context / "Dockerfile"), build_args)
+        plan = build_plan(read(context / "Dockerfile"), build_args)
         key = await asyncio.to_thread(image_key, context, build_args, host)
         target = self.images / key
         lock_path = self.images / f"{key}.lock"
@@ -189,13 +201,18 @@ class ImageCache:
                     os.close(fd)
                     continue
                 if not (target / "image.json").is_file():
+                    for stage in plan:
+                        text = await asyncio.to_thread(stand_in_notice, stage.base)
+                        if text is not None and notice is not None:
+                            notice(text)
                     async with asyncio.timeout(build_timeout_sec):
-                        await self._build(instructions, context, host, target, task_name,
+                        await self._build(plan, context, host, target, task_name,
                                           build_args, log)
                 fcntl.flock(fd, fcntl.LOCK_SH)
-                config = ImageConfig(**json.loads((target / "image.json").read_text())["config"])
+                meta = json.loads((target / "image.json").read_text())
                 os.utime(target / "image.json")  # last use, for prune --older-than
-                return Image(key=key, layer=target / "layer", config=config, lock_fd=fd)
+                return Image(key=key, layer=target / "layer", config=ImageConfig(**meta["config"]),
+                             lock_fd=fd, has_sudo=bool(meta.get("has_sudo")))
             except BaseException:
                 os.close(fd)
                 raise
@@ -222,26 +239,40 @@ class ImageCache:
             finally:
                 os.close(fd)
 
-    async def _build(self, instructions: list[Instruction], context: Path, host: HostLayers,
+    async def _build(self, plan: list[Stage], context: Path, host: HostLayers,
                      target: Path, task_name: str, build_args: Mapping[str, str],
                      log: Any) -> None:
-        state = await asyncio.to_thread(StateDir.create, self.root / "builds", target.name)
+        """Build each stage of the plan in a sandbox of its own; the stages the last one
+        copies from run until it is built, and only its layer is kept."""
+        states: list[StateDir] = []
+        sandboxes: list[Sandbox] = []
+        sources: dict[int, Channel] = {}
         started = time.time()
         try:
-            sandbox = await Sandbox.launch(state=state, host=host, image_layer=None, network=True,
-                                           hostname="build", etc_files=NETWORK_ETC_FILES)
-            try:
-                builder = _Builder(sandbox.channel, context, build_args, log)
-                for instruction in instructions:
+            for stage in plan:
+                state = await asyncio.to_thread(StateDir.create, self.root / "builds",
+                                                f"{target.name}-{stage.index}")
+                states.append(state)
+                sandbox = await Sandbox.launch(state=state, host=host, image_layer=None,
+                                               network=True, hostname="build",
+                                               etc_files=NETWORK_ETC_FILES)
+                sandboxes.append(sandbox)
+                builder = _Builder(sandbox.channel, context, build_args, log, sources,
+                                   stage.global_args)
+                for instruction in stage.instructions:
                     await builder.step(instruction)
-            finally:
-                await sandbox.stop()
-            await asyncio.to_thread(_drop_network_files, sandbox.upper)
+                sources[stage.index] = sandbox.channel
             record = {"task": task_name, "built_at": started, "seconds": time.time() - started,
-                      "config": asdict(builder.config)}
-            await asyncio.to_thread(_commit, state, sandbox.upper, target, record)
+                      "config": asdict(builder.config), "has_sudo": await builder.has_sudo()}
+            for sandbox in sandboxes:
+                await sandbox.stop()
+            await asyncio.to_thread(_drop_network_files, sandboxes[-1].upper)
+            await asyncio.to_thread(_commit, states[-1], sandboxes[-1].upper, target, record)
         finally:
-            await asyncio.to_thread(state.remove)
+            for sandbox in sandboxes:
+                await sandbox.stop()
+            for state in states:
+                await asyncio.to_thread(state.remove)
 
     def entries(self) -> list[CachedImage]:
         found = []
@@ -323,12 +354,71 @@ def _commit(state: StateDir, layer: Path, target: Path, record: dict[str, Any]) 
     staging.rename(target)
 
 
+# Official language images by name, and the Debian package of the host that stands in
+# for each, with what to call it.
+LANGUAGE_IMAGES = {
+    "python": ("python3", "Python"),
+    "pypy": ("python3", "Python"),
+    "node": ("nodejs", "Node.js"),
+    "golang": ("golang-go", "Go"),
+    "rust": ("rustc", "Rust"),
+    "ruby": ("ruby", "Ruby"),
+}
+
+
+@functools.cache
+def host_packages() -> dict[str, str]:
+    """The host's installed Debian packages and their versions (epoch dropped)."""
+    found: dict[str, str] = {}
+    try:
+        text = Path("/var/lib/dpkg/status").read_text(errors="replace")
+    except OSError:
+        return found
+    for entry in text.split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in entry.splitlines()
+                      if ": " in line and not line.startswith(" "))
+        if "installed" in fields.get("Status", "") and "Package" in fields:
+            found[fields["Package"]] = fields.get("Version", "").partition(":")[2] or \
+                fields.get("Version", "")
+    return found
+
+
+def stand_in_notice(base: str, packages: Mapping[str, str] | None = None) -> str | None:
+    """One line saying that the host cannot supply the language version a ``FROM``
+    image names, and what stands in for it; None when it can (or the image is not an
+    official language image)."""
+    name = base.split("@")[0]
+    for prefix in ("docker.io/library/", "docker.io/", "library/"):
+        name = name.removeprefix(prefix)
+    if "/" in name:
+        return None
+    image, _, tag = name.partition(":")
+    if image not in LANGUAGE_IMAGES:
+        return None
+    package, language = LANGUAGE_IMAGES[image]
+    wanted = re.match(r"\d+(?:\.\d+)*", tag)
+    version = (host_packages() if packages is None else packages).get(package)
+    if version is None:
+        have = f"this host has no {language}"
+    else:
+        have_match = re.match(r"\d+(?:\.\d+)*", version)
+        have_version = have_match.group(0) if have_match else version
+        if wanted is None or (have_version + ".").startswith(wanted.group(0) + "."):
+            return None
+        have = f"the host's {language} {have_version} stands in for it"
+    return (f"FROM {base}: the docker-free environment does not pull images and {have}; "
+            "use harbor's docker, podman or singularity environment for the exact image")
+
+
 class _Builder:
     """Carries out one stage's instructions in a build sandbox."""
 
     def __init__(self, channel: Channel, context: Path, build_args: Mapping[str, str],
-                 log: Any) -> None:
+                 log: Any, stages: Mapping[int, Channel] | None = None,
+                 global_args: Mapping[str, str] | None = None) -> None:
         self.channel = channel
+        self.global_args = dict(global_args or {})
+        self.stages = dict(stages or {})  # built stages a COPY --from reads, by index
         self.context = context.resolve()
         self.build_args = dict(build_args)
         self.args: dict[str, str] = {}
@@ -368,7 +458,8 @@ class _Builder:
         keyword = instruction.keyword
         if keyword == "ARG":
             for name, default in assignments(instruction, self.variables):
-                value = self.build_args.get(name, default)
+                value = self.build_args.get(name, self.global_args.get(name) if default is None
+                                            else default)
                 if value is not None:
                     self.args[name] = value
         elif keyword == "ENV":
@@ -399,20 +490,56 @@ class _Builder:
             else:
                 self.config.cmd = command
         elif keyword == "RUN":
-            await self._run(instruction, self._run_argv(instruction), user=self.config.user,
-                            cwd=self.workdir)
+            await self._run_step(instruction)
         elif keyword in ("COPY", "ADD"):
             await self._copy(instruction)
 
-    def _run_argv(self, instruction: Instruction) -> list[str]:
+    def _run_argv(self, instruction: Instruction) -> tuple[list[str], str | None]:
+        """A RUN's command, and the text of a script it runs from a file (named
+        SCRIPT_PLACEHOLDER in the command) or None.
+
+        As BuildKit does: a RUN that is one here-document runs it as its script (a
+        ``#!`` line picks the interpreter); otherwise the shell gets the line with each
+        document after it, so every body feeds the command its marker follows, and the
+        shell expands (or, quoted, keeps) what it holds. A script too long for one
+        argument (the kernel refuses one over MAX_ARG_STRLEN) is read from a file."""
         exec_form = instruction.json_list()
-        if exec_form is not None and instruction.heredoc is None:
-            return exec_form
+        if exec_form is not None and not instruction.heredocs:
+            return exec_form, None
         script = instruction.argument
-        if instruction.heredoc is not None:
-            script = (instruction.heredoc if not script
-                      else f"{script} <<'WMO_TRIO_HEREDOC'\n{instruction.heredoc}WMO_TRIO_HEREDOC\n")
-        return [*self.config.shell, script]
+        documents = instruction.heredocs
+        if len(documents) == 1 and script.strip() == documents[0].marker:
+            script = documents[0].content
+            if script.startswith("#!"):
+                return [SCRIPT_PLACEHOLDER], script
+        elif documents:
+            script = script + "\n" + "".join(document.script for document in documents)
+        if len(script.encode()) > LONG_ARGUMENT:
+            return [*self.config.shell, f". {SCRIPT_PLACEHOLDER}"], script
+        return [*self.config.shell, script], None
+
+    async def _run_step(self, instruction: Instruction) -> None:
+        argv, script = self._run_argv(instruction)
+        if script is None:
+            await self._run(instruction, argv, user=self.config.user, cwd=self.workdir)
+            return
+        path = f"/tmp/.wmo-trio-run-{uuid.uuid4().hex}"
+        with tempfile.TemporaryFile() as text:
+            text.write(script.encode())
+            text.seek(0)
+            await self._run(instruction, ["sh", "-c", 'mkdir -p /tmp && cat > "$1" && '
+                                          'chmod 755 "$1"', "sh", path],
+                            user=None, cwd="/", stdin=text.fileno())
+        try:
+            await self._run(instruction, [word.replace(SCRIPT_PLACEHOLDER, path) for word in argv],
+                            user=self.config.user, cwd=self.workdir)
+        finally:
+            await self.channel.run(["rm", "-f", "--", path], env=self._env(), cwd="/")
+
+    async def has_sudo(self) -> bool:
+        """Whether the image has a ``sudo`` on its PATH."""
+        probe = await self.channel.run(["sh", "-c", "command -v sudo"], env=self._env(), cwd="/")
+        return probe.return_code == 0
 
     async def _owner(self, instruction: Instruction) -> tuple[int, int] | None:
         spec = expand(instruction.flags.get("chown", ""), self.variables)
@@ -457,13 +584,24 @@ class _Builder:
             except ValueError as error:
                 raise DockerfileError(f"{instruction.describe()}: {error}") from None
         words = [expand(word, self.variables) for word in words]
-        if len(words) < 2:
+        documents = [(document.name, (document.content if document.quoted
+                                      else expand(document.content, self.variables)).encode())
+                     for document in instruction.heredocs]
+        if not words or len(words) + len(documents) < 2:
             raise DockerfileError(f"{instruction.describe()}: needs a source and a destination")
         *patterns, destination = words
-        sources = self._sources(instruction, patterns)
+        stage = instruction.flags.get("from")
+        sources: list[Path] = []
+        picked: list[tuple[str, bool]] = []  # (path in the stage, is a directory)
+        if stage is not None:
+            picked = await self._stage_matches(instruction, int(stage), patterns)
+        else:
+            sources = self._sources(instruction, patterns)
         destination = posixpath.join(self.workdir, destination)
-        as_directory = (destination.endswith("/") or len(sources) > 1
-                        or any(source.is_dir() for source in sources))
+        count = len(sources) + len(picked) + len(documents)
+        as_directory = (destination.endswith("/") or count > 1
+                        or any(source.is_dir() for source in sources)
+                        or any(is_dir for _, is_dir in picked))
         if not as_directory:
             probe = await self.channel.run(["test", "-d", destination], env=self._env(), cwd="/")
             as_directory = probe.return_code == 0
@@ -473,9 +611,15 @@ class _Builder:
         chmod = int(mode, 8) if mode else None
         archives = [s for s in sources if instruction.keyword == "ADD" and s.is_file()
                     and tarfile.is_tarfile(s)]
-        with tempfile.TemporaryFile() as bundle:
+        with contextlib.ExitStack() as stack:
+            parts = []
+            for path, is_dir in picked:
+                part = stack.enter_context(tempfile.TemporaryFile())
+                await self._stage_archive(instruction, int(stage or 0), path, is_dir, part)
+                parts.append((path, is_dir, part))
+            bundle = stack.enter_context(tempfile.TemporaryFile())
             await asyncio.to_thread(_pack, bundle, [s for s in sources if s not in archives],
-                                    destination, as_directory, owner, chmod)
+                                    destination, as_directory, owner, chmod, documents, parts)
             bundle.seek(0)
             await self._run(instruction, ["tar", "-x", "-p", "--numeric-owner",
                                           "--no-overwrite-dir", "-f", "-", "-C", "/"],
@@ -486,13 +630,64 @@ class _Builder:
                                               "sh", destination], user=None, cwd="/",
                                 stdin=handle.fileno())
 
+    async def _stage_matches(self, instruction: Instruction, stage: int,
+                             patterns: list[str]) -> list[tuple[str, bool]]:
+        """What the patterns of a ``COPY --from`` match in that stage's filesystem
+        (paths from its root, as BuildKit reads them), each with whether it is a
+        directory."""
+        script = ('cd / || exit 1; IFS="\n"; for p; do found=; for m in ${p#/}; do '
+                  'if [ -e "$m" ] || [ -L "$m" ]; then found=1; '
+                  'if [ -d "$m" ] && [ ! -L "$m" ]; then echo "d $m"; else echo "f $m"; fi; fi; '
+                  'done; [ -n "$found" ] || { echo "$p: no such file or directory" >&2; exit 2; }; '
+                  'done')
+        completed = await self._in_stage(instruction, stage, ["sh", "-c", script, "sh", *patterns])
+        found = []
+        for line in completed.stdout.decode(errors="surrogateescape").splitlines():
+            kind, _, path = line.partition(" ")
+            found.append(("/" + path.lstrip("/"), kind == "d"))
+        return found
+
+    async def _stage_archive(self, instruction: Instruction, stage: int, path: str,
+                             is_dir: bool, into: Any) -> None:
+        """A tar of a path of an earlier stage: a directory's contents, or the file."""
+        parent, name = posixpath.split(path)
+        argv = (["tar", "-c", "-f", "-", "-C", path, "."] if is_dir
+                else ["tar", "-c", "-f", "-", "-C", parent or "/", "--", name])
+        await self._in_stage(instruction, stage, argv, stdout=into)
+        into.seek(0)
+
+    async def _in_stage(self, instruction: Instruction, stage: int, argv: list[str],
+                        stdout: Any = None) -> Completed:
+        channel = self.stages[stage]
+        try:
+            completed = await channel.run(argv, env={"PATH": DEFAULT_PATH}, cwd="/", stdout=stdout)
+        except SpawnFailed as error:
+            raise BuildError(f"Dockerfile {instruction.describe()} failed: {error}") from None
+        if completed.return_code != 0:
+            detail = completed.stderr.decode(errors="replace").strip()[-2000:]
+            raise BuildError(f"Dockerfile {instruction.describe()} failed: stage {stage}: "
+                             f"{detail or f'exit code {completed.return_code}'}")
+        return completed
+
 
 def _pack(bundle: Any, sources: list[Path], destination: str, as_directory: bool,
-          owner: tuple[int, int] | None, chmod: int | None) -> None:
-    """A tar of the sources placed as COPY places them, owned by ``owner`` (root if None)."""
+          owner: tuple[int, int] | None, chmod: int | None,
+          documents: Sequence[tuple[str, bytes]] = (),
+          parts: Sequence[tuple[str, bool, Any]] = ()) -> None:
+    """A tar of what a COPY places, as it places it: build-context files, here-documents
+    and tars of an earlier stage's paths, owned by ``owner`` (context files and
+    documents by root if None; a stage's files keep theirs)."""
 
     def placed(info: tarfile.TarInfo) -> tarfile.TarInfo:
         info.uid, info.gid = owner or (0, 0)
+        info.uname = info.gname = ""
+        if chmod is not None and not info.issym():
+            info.mode = chmod
+        return info
+
+    def restaged(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        if owner is not None:
+            return placed(info)
         info.uname = info.gname = ""
         if chmod is not None and not info.issym():
             info.mode = chmod
@@ -512,3 +707,40 @@ def _pack(bundle: Any, sources: list[Path], destination: str, as_directory: bool
             else:
                 name = posixpath.join(base, source.name) if as_directory else base
                 tar.add(source, arcname=name, recursive=False, filter=placed)
+        for document, content in documents:
+            info = tarfile.TarInfo(posixpath.join(base, document) if as_directory else base)
+            info.size, info.mode, info.mtime = len(content), 0o644, int(time.time())
+            tar.addfile(placed(info), io.BytesIO(content))
+        for picked, is_dir, part in parts:
+            _restage(tar, part, base, posixpath.basename(picked), is_dir, as_directory, restaged)
+
+
+def _restage(tar: tarfile.TarFile, part: Any, base: str, name: str, is_dir: bool,
+             as_directory: bool, placed: Any) -> None:
+    """Copy the members of a stage's tar into ``tar`` under their new names. Only
+    headers and bytes pass through the host; nothing is written to its filesystem."""
+    if is_dir:
+        top = base
+    else:
+        top = posixpath.join(base, name) if as_directory else base
+
+    def renamed(member: str) -> str:
+        relative = posixpath.normpath(member)
+        if is_dir:
+            return top if relative == "." else posixpath.join(top, relative)
+        return top
+
+    with tarfile.open(fileobj=part, mode="r:") as archive:
+        for member in archive:
+            if is_dir and posixpath.normpath(member.name) == ".":
+                continue  # the destination directory itself is made by the COPY
+            if member.name.startswith("/") or ".." in member.name.split("/"):
+                continue
+            member.name = renamed(member.name)
+            if member.islnk():
+                member.linkname = renamed(member.linkname)
+            placed(member)
+            if member.isreg():
+                tar.addfile(member, archive.extractfile(member))
+            else:
+                tar.addfile(member)

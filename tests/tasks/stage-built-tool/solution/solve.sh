@@ -1,0 +1,4 @@
+#!/bin/sh
+set -e
+linecount < /app/input.txt > /app/count.txt
+greet world > /app/greeting.txt

@@ -1,0 +1,322 @@
+"""The docker-free environment builds Dockerfiles as BuildKit does (here-documents,
+``COPY --from`` a stage), says in one line what it cannot do (an image's language
+version, sudo for a non-root USER, automatic host mounts), and a trial whose build
+failed leaves one line, not a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_local_environment import (
+    TASKS,
+    make_environment,
+    pytestmark,
+    run,
+    run_harbor,
+    running,
+    trial_results,
+)
+
+from wmo_trio.sandbox import DockerfileError
+from wmo_trio.sandbox._dockerfile import build_plan, parse
+from wmo_trio.sandbox._environment import AUTO_MOUNTING_REFUSED
+from wmo_trio.sandbox._image import stand_in_notice
+
+__all__ = ["pytestmark"]
+
+def outputs_in(tmp_path: Path, dockerfile: str, *commands: str) -> list[str]:
+    """What each command prints (stdout and stderr) in a trial of the image built from
+    ``dockerfile``."""
+    context = tmp_path / "environment"
+    context.mkdir()
+    (context / "Dockerfile").write_text(textwrap.dedent(dockerfile).replace("\\t", "\t"))
+    outputs: list[str] = []
+
+    async def scenario() -> None:
+        environment = make_environment(tmp_path, context, cache_dir=str(tmp_path / "cache"))
+        async with running(environment):
+            for command in commands:
+                result = await environment.exec(command)
+                outputs.append((result.stdout or "") + (result.stderr or ""))
+
+    run(scenario)
+    return outputs
+
+
+# ---------------------------------------------------------------------- here-documents
+
+
+def test_a_heredoc_feeds_the_command_its_marker_follows(tmp_path: Path) -> None:
+    assert outputs_in(tmp_path, """\
+        FROM debian:bookworm-slim
+        RUN cat > /usr/local/bin/tool <<'EOF' && chmod +x /usr/local/bin/tool
+        #!/bin/sh
+        echo "tool says $1"
+        EOF
+        """, "tool x") == ["tool says x\n"]
+
+
+def test_an_unquoted_heredoc_expands_build_args_and_env_and_a_quoted_one_keeps_its_text(
+    tmp_path: Path,
+) -> None:
+    assert outputs_in(tmp_path, """\
+        FROM debian:bookworm-slim
+        ARG GREETING=hello
+        ENV WHO=world
+        RUN cat > /expanded <<EOF
+        $GREETING $WHO
+        EOF
+        RUN cat > /literal <<'EOF'
+        $GREETING $WHO
+        EOF
+        """, "cat /expanded", "cat /literal") == ["hello world\n", "$GREETING $WHO\n"]
+
+
+def test_a_dash_heredoc_drops_leading_tabs_and_two_heredocs_feed_their_own_commands(
+    tmp_path: Path,
+) -> None:
+    assert outputs_in(tmp_path, """\
+        FROM debian:bookworm-slim
+        RUN <<-EOF cat > /tabs && <<SECOND cat > /second
+        \tindented
+        \tEOF
+        second
+        SECOND
+        """, "cat /tabs", "cat /second") == ["indented\n", "second\n"]
+
+
+def test_a_run_that_is_one_heredoc_runs_it_with_its_shebang_or_the_shell(
+    tmp_path: Path,
+) -> None:
+    assert outputs_in(tmp_path, """\
+        FROM debian:bookworm-slim
+        RUN <<EOF
+        #!/usr/bin/env python3
+        open("/from-python", "w").write("python ran\\n")
+        EOF
+        RUN <<EOF
+        echo shell ran > /from-shell
+        EOF
+        """, "cat /from-python", "cat /from-shell") == ["python ran\n", "shell ran\n"]
+
+
+def test_a_heredoc_too_long_for_one_argument_still_builds(tmp_path: Path) -> None:
+    body = "\n".join(f"line {n} " + "x" * 100 for n in range(1500))  # over 128 KiB
+    dockerfile = (f"FROM debian:bookworm-slim\nRUN cat > /big <<'EOF'\n{body}\nEOF\n"
+                  f"RUN <<EOF\n: '{body}'\necho ran > /script-ran\nEOF\n")
+    assert outputs_in(tmp_path, dockerfile, "wc -l < /big; cat /script-ran; ls /tmp") == [
+        "1500\nran\n"]
+
+
+def test_copy_writes_heredocs_as_files(tmp_path: Path) -> None:
+    assert outputs_in(tmp_path, """\
+        FROM debian:bookworm-slim
+        ENV WHO=world
+        COPY <<EOF /copied
+        copied $WHO
+        EOF
+        COPY <<'EOF' <<two.txt /docs/
+        literal $WHO
+        EOF
+        second document
+        two.txt
+        """, "cat /copied", "cat /docs/EOF /docs/two.txt") == [
+        "copied world\n", "literal $WHO\nsecond document\n"]
+
+
+def test_an_unterminated_heredoc_is_one_error_naming_its_line() -> None:
+    with pytest.raises(DockerfileError, match="line 2: the here-document EOF never ends"):
+        parse("FROM debian\nRUN cat > /x <<EOF\nbody\n")
+
+
+def test_a_heredoc_marker_inside_quotes_exec_form_or_a_word_is_text() -> None:
+    [_, quoted, exec_form, shift, here_string] = parse(
+        "FROM debian\nRUN echo '<<EOF'\nRUN [\"echo\", \"<<EOF\"]\nRUN echo $((1<<4))\n"
+        "RUN cat <<<word\n")
+    assert quoted.heredocs == exec_form.heredocs == shift.heredocs == here_string.heredocs == ()
+
+
+# ---------------------------------------------------------------------- COPY --from
+
+
+def test_copy_from_a_named_stage_or_an_index_keeps_owners_and_links(tmp_path: Path) -> None:
+    assert outputs_in(tmp_path, """\
+        FROM debian:bookworm-slim AS builder
+        RUN mkdir -p /out/sub && echo built > /out/sub/file.txt \\
+            && ln -s file.txt /out/sub/link && chown -R 1234:1234 /out
+        RUN echo first-stage > /marker
+
+        FROM debian:bookworm-slim
+        COPY --from=builder /out /from-stage
+        COPY --from=0 /marker /marker-by-index
+        """, "stat -c '%n %u:%g %F' /from-stage/sub/file.txt /from-stage/sub/link",
+        "cat /marker-by-index /from-stage/sub/link") == [
+        "/from-stage/sub/file.txt 1234:1234 regular file\n"
+        "/from-stage/sub/link 1234:1234 symbolic link\n", "first-stage\nbuilt\n"]
+
+
+def test_copy_from_a_stage_expands_globs_and_applies_chown(tmp_path: Path) -> None:
+    assert outputs_in(tmp_path, """\
+        FROM debian:bookworm-slim AS build
+        RUN mkdir -p /src/lib && echo a > /src/lib/a.so && echo b > /src/lib/b.so
+        FROM debian:bookworm-slim
+        RUN useradd -u 4321 agent
+        COPY --from=build --chown=agent:agent /src/lib/*.so /usr/local/lib/mine/
+        """, "stat -c '%n %u' /usr/local/lib/mine/a.so /usr/local/lib/mine/b.so") == [
+        "/usr/local/lib/mine/a.so 4321\n/usr/local/lib/mine/b.so 4321\n"]
+
+
+def test_a_bare_arg_in_a_stage_takes_the_default_declared_before_from(tmp_path: Path) -> None:
+    assert outputs_in(tmp_path, """\
+        ARG SUITE=bookworm
+        ARG TOOL_VERSION=1.2.3
+        FROM debian:${SUITE}-slim
+        ARG TOOL_VERSION
+        RUN echo "$TOOL_VERSION" > /version
+        """, "cat /version") == ["1.2.3\n"]
+
+
+def test_only_the_stages_the_image_needs_are_built() -> None:
+    plan = build_plan(parse("FROM debian AS unused\nRUN exit 1\nFROM debian AS tools\n"
+                            "FROM debian\nCOPY --from=tools /bin/sh /sh\n"), {})
+    assert [stage.index for stage in plan] == [1, 2]
+    assert plan[-1].instructions[0].flags["from"] == "1"
+
+
+def test_copy_from_an_image_is_one_error_naming_it() -> None:
+    with pytest.raises(DockerfileError, match=r"line 2: .*--from=nginx:1\.27 names an image"):
+        build_plan(parse("FROM debian\nCOPY --from=nginx:1.27 /etc/nginx /etc/nginx\n"), {})
+
+
+def test_copy_from_a_later_stage_is_refused() -> None:
+    with pytest.raises(DockerfileError, match="must name a stage defined before"):
+        build_plan(parse("FROM debian AS first\nCOPY --from=1 /x /x\nFROM debian\n"
+                         "COPY --from=first /x /x\n"), {})
+
+
+# ---------------------------------------------------------------------- what the host lacks
+
+
+def test_a_language_version_the_host_lacks_is_named_with_its_stand_in() -> None:
+    host = {"python3": "3.11.2-1+b1", "nodejs": "20.19.0-1nodesource1"}
+    python = stand_in_notice("python:3.12-slim", host)
+    assert python is not None and "python:3.12-slim" in python and "Python 3.11.2" in python
+    node = stand_in_notice("docker.io/library/node:22", host)
+    assert node is not None and "Node.js 20.19.0" in node
+    golang = stand_in_notice("golang:1.24", host)
+    assert golang is not None and "no Go" in golang and "podman or singularity" in golang
+    assert stand_in_notice("python:3.11-slim", host) is None
+    assert stand_in_notice("python:3", host) is None
+    assert stand_in_notice("ubuntu:24.04", host) is None
+
+
+def warnings_of_a_start(tmp_path: Path, dockerfile: str, caplog: Any) -> list[str]:
+    """The warnings logged while a trial of ``dockerfile``'s image starts and stops."""
+    context = tmp_path / "environment"
+    context.mkdir()
+    (context / "Dockerfile").write_text(dockerfile)
+
+    async def scenario() -> None:
+        environment = make_environment(tmp_path, context, cache_dir=str(tmp_path / "cache"))
+        async with running(environment):
+            pass
+
+    with caplog.at_level(logging.WARNING):
+        run(scenario)
+    return [record.getMessage() for record in caplog.records]
+
+
+def test_the_build_says_which_image_the_host_stands_in_for(
+    tmp_path: Path, caplog: Any
+) -> None:
+    # No host has this interpreter as its python3.
+    said = warnings_of_a_start(tmp_path, "FROM python:2.7-slim\nWORKDIR /app\n", caplog)
+    notices = [text for text in said if "python:2.7-slim" in text]
+    assert len(notices) == 1 and "stands in for it" in notices[0], said
+
+
+def test_an_image_with_sudo_and_a_non_root_user_is_told_sudo_cannot_work(
+    tmp_path: Path, caplog: Any
+) -> None:
+    said = warnings_of_a_start(tmp_path, (
+        "FROM debian:bookworm-slim\n"
+        "RUN printf '#!/bin/sh\\nexec \"$@\"\\n' > /usr/local/bin/sudo && chmod 755 /usr/local/bin/sudo\n"
+        "RUN useradd -m agent\nUSER agent\n"), caplog)
+    about_sudo = [text for text in said if "sudo" in text]
+    assert len(about_sudo) == 1 and "USER agent" in about_sudo[0], said
+    assert "no_new_privs" in about_sudo[0]
+
+
+# ---------------------------------------------------------------------- harbor's CLI
+
+
+@pytest.mark.harbor
+def test_a_failed_build_leaves_one_line_for_the_log_download_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    task = tmp_path / "broken-build"
+    shutil.copytree(TASKS / "hello-file", task)
+    (task / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\nRUN exit 3\n")
+    completed = run_harbor(tmp_path / "jobs", "-p", str(task), "-a", "oracle",
+                           "--ek", f"cache_dir={tmp_path / 'cache'}", timeout=300)
+    [result] = trial_results(tmp_path / "jobs").values()
+    assert result["exception_info"]["exception_type"] == "BuildError"
+    output = completed.stdout + completed.stderr
+    assert "Traceback" not in output, output
+    assert "did not start" in output
+
+
+@pytest.mark.harbor
+def test_auto_mounting_is_refused_in_one_line_and_no_trial_runs(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    completed = run_harbor(tmp_path / "jobs", "-p", str(TASKS), "-a", "oracle", "-n", "2",
+                           "--ek", "auto_mounting=true", "--ek", f"state_dir={state_dir}",
+                           timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stderr.splitlines() == [AUTO_MOUNTING_REFUSED]
+    results = trial_results(tmp_path / "jobs")
+    assert len(results) == 3
+    for result in results.values():
+        assert result["exception_info"]["exception_message"] == AUTO_MOUNTING_REFUSED
+    assert not state_dir.exists()  # no sandbox was made
+    for trial in (tmp_path / "jobs" / "job").glob("*/"):
+        for directory in (trial, trial / "agent", trial / "verifier", trial / "artifacts"):
+            assert directory.stat().st_mode & 0o002 == 0, directory  # not world-writable
+
+
+def test_the_environment_refuses_auto_mounting_and_says_it_mounts_nothing(
+    tmp_path: Path,
+) -> None:
+    assert "\n" not in AUTO_MOUNTING_REFUSED
+    environment = make_environment(tmp_path, auto_mounting=True)
+    # harbor never sees the option, so it leaves the trial's host directories as they are
+    assert environment.auto_mounting is False
+    assert environment.capabilities.mounted is False
+    with pytest.raises(ValueError) as raised:
+        run(lambda: environment.start(force_build=False))
+    assert str(raised.value) == AUTO_MOUNTING_REFUSED
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_bind_mount_asked_for_is_never_read_through_by_harbor(tmp_path: Path) -> None:
+    """A user's --mounts bind still binds, but harbor is told the path is not mounted, so
+    it copies the trial's files out rather than reading what the trial left there."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    environment = make_environment(
+        tmp_path, mounts=[{"type": "bind", "source": str(shared), "target": "/logs/verifier"}])
+
+    async def scenario() -> None:
+        async with running(environment):
+            written = await environment.exec("echo 1 > /logs/verifier/reward.txt")
+            assert written.return_code == 0
+        assert not environment.is_path_mounted(Path("/logs/verifier"), shared)
+
+    asyncio.run(scenario())
+    assert (shared / "reward.txt").read_text() == "1\n"
