@@ -249,7 +249,7 @@ def test_a_log_dir_linked_to_proc_is_not_read_by_the_host(tmp_path: Path) -> Non
                 await environment.download_dir("/logs/agent", target)
             assert list(target.iterdir()) == []
             with pytest.raises(PermissionError, match="kernel's proc filesystem"):
-                await environment.download_file("/logs/agent/keys", tmp_path / "keys")
+                await environment.download_file("/logs/agent/version", tmp_path / "version")
 
     run(scenario)
 
