@@ -46,6 +46,7 @@ CAPABILITIES = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CA
                 "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP",
                 "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE")
 PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/fs")
+DEFAULT_SHM_BYTES = 64 << 20  # Docker's size of /dev/shm
 _UNSAFE_OVERLAY_PATH = re.compile(r"[,:\\\s]")
 
 
@@ -224,11 +225,12 @@ class Sandbox:
         binds: Sequence[Bind] = (),
         etc_files: dict[str, str] | None = None,
         limits: Limits | None = None,
+        shm_bytes: int = DEFAULT_SHM_BYTES,
     ) -> Sandbox:
         """Mount the root in ``state``, start bubblewrap and its helper there and, with
-        ``network``, a slirp4netns stack for its network namespace; with ``limits``,
-        every process of the sandbox runs in a cgroup of its own that holds them
-        (where this machine offers cgroups: see ``_cgroup``).
+        ``network``, a slirp4netns stack for its network namespace; every process of
+        the sandbox runs in a cgroup of its own that holds them to ``limits`` (where
+        this machine offers cgroups: see ``_cgroup``). ``/dev/shm`` holds ``shm_bytes``.
 
         If this fails or is cancelled, whatever was started is stopped again; the state
         directory is the caller's to remove.
@@ -244,6 +246,7 @@ class Sandbox:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         bwrap = [
             "bwrap", "--bind", str(root), "/", "--proc", "/proc", "--dev", "/dev",
+            "--size", str(shm_bytes), "--perms", "1777",  # Docker's /dev/shm
             "--tmpfs", "/dev/shm", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             "--unshare-net", "--unshare-cgroup", "--hostname", hostname, "--die-with-parent",
             "--as-pid-1", "--clearenv", "--setenv", "PATH", DEFAULT_PATH,
@@ -264,8 +267,7 @@ class Sandbox:
         sandbox: Sandbox | None = None
         cgroup: TrialCgroup | None = None
         try:
-            if limits is not None:
-                cgroup = await asyncio.to_thread(TrialCgroup.create, limits)
+            cgroup = await asyncio.to_thread(TrialCgroup.create, limits or Limits())
             # The launch joins the cgroup first: bubblewrap and all it starts follow.
             joins = [f"echo $$ > {_quote(str(path))}"
                      for path in (cgroup.procs_files if cgroup else ())]
@@ -347,6 +349,28 @@ class Sandbox:
             detail = (await self.network.stderr.read()).decode(errors="replace").strip()
             raise unavailable(f"slirp4netns could not give the sandbox a network: "
                               f"{detail.splitlines()[-1] if detail else 'it exited'}")
+
+    async def death(self) -> str:
+        """Why the sandbox's helper is gone, for an error once its channel closed
+        unasked: how its PID 1 ended and whether the kernel killed for want of
+        memory in the trial."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STOP_TIMEOUT_SEC):
+                await self.process.wait()
+        code = self.process.returncode
+        # bubblewrap exits with its PID 1's status, 128 + the signal that killed it.
+        if code is None:
+            ended = "its helper (PID 1) closed its channel"
+        elif code > 128 and code - 128 in set(signal.Signals):
+            ended = f"its helper (PID 1) was killed by {signal.Signals(code - 128).name}"
+        else:
+            ended = f"its helper (PID 1) exited with status {code}"
+        oom = None if self.cgroup is None else await asyncio.to_thread(self.cgroup.oom_kills)
+        if oom:
+            ended += (f"; the kernel killed {oom} process(es) of the trial for want of memory "
+                      "(memory_mb is its ceiling, and files in /dev/shm and other in-memory "
+                      "filesystems count against it)")
+        return "the trial's sandbox died: " + ended
 
     async def stop(self) -> None:
         """End every process of the sandbox (closing the helper's socket ends its PID
