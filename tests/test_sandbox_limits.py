@@ -354,6 +354,10 @@ class TestProcessAndMemoryFaults:
                 size = await environment.exec(
                     "df -k --output=size /dev/shm | tail -n 1; stat -c %a /dev/shm")
                 assert (size.stdout or "").split() == ["65536", "1777"]  # as Docker's
+                # /dev itself, an in-memory filesystem of no size, takes no files.
+                beside = await environment.exec("echo x > /dev/fill")
+                assert "Read-only file system" in (beside.stderr or ""), beside
+                assert (await environment.exec("echo x > /dev/null")).return_code == 0
             constrained = make_environment(tmp_path, config=EnvironmentConfig(memory_mb=64))
             async with running(constrained) as environment:
                 fill = await environment.exec("head -c 200000000 /dev/zero > /dev/shm/fill")

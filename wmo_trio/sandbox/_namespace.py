@@ -5,8 +5,9 @@ namespace around it, its user-mode network, and its removal.
 overlays are mounted (bubblewrap 0.8 has no overlay option), so no mount is ever visible
 on the host and all of them vanish with the sandbox's last process. bubblewrap then
 pivots into that root with fresh PID, IPC, UTS, network and cgroup namespaces, a new
-``/proc`` (``/proc/sys`` and ``/proc/sysrq-trigger`` read-only), a minimal ``/dev``, an empty environment and
-Docker's default capabilities less ``CAP_MKNOD``; the helper runs there as PID 1. With
+``/proc`` (``/proc/sys`` and ``/proc/sysrq-trigger`` read-only), a minimal read-only
+``/dev``, an empty environment and Docker's default capabilities less ``CAP_MKNOD``; the
+helper runs there as PID 1. With
 ``--die-with-parent`` the whole sandbox is killed when the process that started it dies.
 """
 
@@ -260,6 +261,9 @@ class Sandbox:
             bwrap += ["--cap-add", capability]
         for bind in binds:
             bwrap += ["--ro-bind" if bind.read_only else "--bind", bind.source, bind.target]
+        # Last, once mount points are made: /dev is an in-memory filesystem without a
+        # size (Docker's holds 64 MiB), whose files no process frees when memory runs out.
+        bwrap += ["--remount-ro", "/dev"]
         bwrap += ["python3", "-I", "-S", f"/proc/self/fd/{helper_fd}"]
         log = os.open(state.path / "launch.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         process: asyncio.subprocess.Process | None = None
