@@ -1,4 +1,5 @@
-"""``task.toml``'s ``cpus`` and ``memory_mb`` as ceilings of the docker-free sandbox.
+"""``task.toml``'s ``cpus`` and ``memory_mb``, and ``pids_limit``, as ceilings of the
+docker-free sandbox; ``/dev/shm``'s size, a helper that dies, ``storage_mb``.
 
 The limits are a cgroup per trial; the tests read that cgroup from the host as the
 kernel shows it, and check from inside the trial that the kernel holds the trial to it.
@@ -6,17 +7,34 @@ kernel shows it, and check from inside the trial that the kernel holds the trial
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from harbor.models.task.config import EnvironmentConfig
-from test_local_environment import TASKS, make_environment, reward, run, run_harbor, running, trial_results
+from test_local_environment import (
+    TASKS,
+    WAIT_BOUND_SEC,
+    make_environment,
+    reward,
+    run,
+    run_harbor,
+    running,
+    trial_results,
+    unique_seconds,
+    until_sleeping,
+)
 
 from wmo_trio.harbor import LocalEnvironment
+from wmo_trio.sandbox import _environment
 from wmo_trio.sandbox._cgroup import (
     PREFIX,
     HostCgroups,
@@ -25,6 +43,7 @@ from wmo_trio.sandbox._cgroup import (
     host_cgroups,
     remove_stale_cgroups,
 )
+from wmo_trio.sandbox._processes import ChannelClosed
 
 HOST = host_cgroups()
 
@@ -63,7 +82,7 @@ def test_cgroup_v1_hierarchies_are_found_where_this_process_lives(tmp_path: Path
     ]
     assert found.reason is None
     not_root = find_hierarchies(mountinfo, membership, root=False)
-    assert not not_root.offers("cpu") and not not_root.offers("memory")
+    assert not any(not_root.offers(name) for name in ("cpu", "memory", "pids"))
     assert "need root" in (not_root.reason or "")
 
 
@@ -79,7 +98,7 @@ def test_cgroup_v2_controllers_are_used_when_the_cgroups_children_can_have_them(
         (2, base, ["cpu", "memory", "pids"])]
     assert (base / "cgroup.subtree_control").read_text() == "+cpu +pids"  # for children
 
-    (base / "cgroup.controllers").write_text("io\n")
+    (base / "cgroup.controllers").write_text("io rdma\n")
     none = find_hierarchies(mountinfo, "0::/harbor.scope\n", root=True)
     assert none.hierarchies == () and "no cgroup hierarchy has" in (none.reason or "")
 
@@ -89,7 +108,19 @@ def test_limits_are_checked_when_made() -> None:
         Limits(cpus=0)
     with pytest.raises(ValueError, match="memory_mb must be a positive"):
         Limits(memory_mb=-1)
+    with pytest.raises(ValueError, match="pids must be a positive"):
+        Limits(pids=0)
     assert Limits().wanted == () and Limits(cpus=0.5, memory_mb=1).wanted == ("cpu", "memory")
+    assert Limits(pids=64).wanted == ("pids",)
+
+
+@pytest.mark.parametrize("kwargs", [{"pids_limit": -1}, {"pids_limit": "lots"},
+                                    {"pids_limit": True}, {"shm_size_mb": 0}])
+def test_bad_ceilings_are_refused_when_the_environment_is_made(
+        tmp_path: Path, kwargs: dict[str, object]) -> None:
+    [name] = kwargs
+    with pytest.raises(ValueError, match=f"{name} must be a whole number"):
+        make_environment(tmp_path, **kwargs)
 
 
 # ---------------------------------------------------------------- real trials
@@ -101,12 +132,20 @@ def test_harbor_is_told_which_limits_are_enforced() -> None:
     assert capabilities.fractional_cpus and not capabilities.cpu_request
 
 
-@pytest.mark.slow  # real sandboxes
-@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0,
-                    reason="LocalEnvironment is exercised here as root on Linux")
-@pytest.mark.skipif(not (HOST.offers("cpu") and HOST.offers("memory")),
-                    reason=f"this machine's cgroups cannot hold limits: {HOST.reason}")
+def sandbox_marks(*controllers: str) -> list[pytest.MarkDecorator]:
+    """Real sandboxes, as root on Linux, whose cgroups hold ``controllers``."""
+    return [
+        pytest.mark.slow,
+        pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0,
+                           reason="LocalEnvironment is exercised here as root on Linux"),
+        pytest.mark.skipif(not all(HOST.offers(name) for name in controllers),
+                           reason=f"this machine's cgroups cannot hold limits: {HOST.reason}"),
+    ]
+
+
 class TestTrialLimits:
+    pytestmark = sandbox_marks("cpu", "memory")
+
     def test_memory_mb_is_a_ceiling_the_kernel_holds(self, tmp_path: Path) -> None:
         async def scenario() -> None:
             environment = make_environment(tmp_path, config=EnvironmentConfig(memory_mb=64))
@@ -146,11 +185,15 @@ class TestTrialLimits:
 
         run(scenario)
 
-    def test_a_trial_without_limits_has_no_cgroup(self, tmp_path: Path) -> None:
+    def test_a_trial_without_limits_has_only_its_pids_cgroup_with_the_services_in_it(
+            self, tmp_path: Path) -> None:
         async def scenario() -> None:
-            environment = make_environment(tmp_path)
+            environment = make_environment(tmp_path, pids_limit=0)
             async with running(environment):
-                assert sandbox_cgroups(environment) == ()
+                [directory] = sandbox_cgroups(environment)
+                assert directory == hierarchy_dir("pids", (directory,))
+                assert (directory / "pids.max").read_text() == "max\n"
+                assert (directory / "services").is_dir()
 
         run(scenario)
 
@@ -220,3 +263,186 @@ def test_harbor_trials_get_their_tasks_memory_mb(tmp_path: Path) -> None:
     rewards = {name.split("__")[0]: reward(result)
                for name, result in trial_results(tmp_path / "jobs").items()}
     assert rewards == {"hello-64": 0.0, "hello-512": 1.0}, rewards
+
+
+# ---------------------------------------------------------------- processes, /dev/shm, storage
+
+FORK_BOMB = (
+    "python3 -c 'import os, signal, time\n"
+    "children, refused = [], 0\n"
+    "for _ in range(200):\n"
+    "    try:\n"
+    "        pid = os.fork()\n"
+    "    except BlockingIOError:\n"
+    "        refused += 1\n"
+    "        continue\n"
+    "    if pid == 0:\n"
+    "        time.sleep(600)\n"
+    "        os._exit(0)\n"
+    "    children.append(pid)\n"
+    "for pid in children: os.kill(pid, signal.SIGKILL)\n"
+    "print(len(children), refused)'"
+)
+
+
+class TestProcessAndMemoryFaults:
+    pytestmark = sandbox_marks("pids", "memory")
+
+    def test_a_fork_bomb_is_refused_at_the_pids_ceiling_and_the_trial_goes_on(
+            self, tmp_path: Path) -> None:
+        async def scenario() -> None:
+            async with running(make_environment(tmp_path, pids_limit=64)) as environment:
+                result = await environment.exec(FORK_BOMB)
+                assert result.return_code == 0, result
+                forked, refused = map(int, (result.stdout or "").split())
+                assert forked < 64 and refused == 200 - forked, result.stdout
+                assert (await environment.exec("echo alive")).stdout == "alive\n"
+                directory = hierarchy_dir("pids", sandbox_cgroups(environment))
+                assert (directory / "pids.max").read_text() == "64\n"
+
+        run(scenario)
+
+    def test_commands_fail_clearly_while_the_ceiling_is_full_until_the_agent_end_clears_it(
+            self, tmp_path: Path) -> None:
+        bomb = ("python3 -c 'import os, time\n"
+                "while True:\n"
+                "    try:\n"
+                "        pid = os.fork()\n"
+                "    except BlockingIOError:\n"
+                "        break\n"
+                "    if pid == 0:\n"
+                "        break\n"
+                "time.sleep(600)'")
+
+        async def scenario() -> None:
+            async with running(make_environment(tmp_path, pids_limit=32)) as environment:
+                directory = hierarchy_dir("pids", sandbox_cgroups(environment))
+                agent = asyncio.create_task(environment.exec(bomb))
+                deadline = time.monotonic() + WAIT_BOUND_SEC
+                while True:  # until every process the ceiling allows runs
+                    current = (directory / "pids.current").read_text().strip()
+                    if current == "32" or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.01)
+                refused = await environment.exec("echo alive")
+                assert refused.return_code == 126, refused
+                assert "pids_limit" in (refused.stderr or ""), refused
+                await environment.download_dir("/logs/agent", tmp_path / "agent-logs")
+                assert (await agent).return_code == 137  # killed with the rest
+                assert (await environment.exec("echo alive")).stdout == "alive\n"
+
+        run(scenario)
+
+    def test_the_pids_ceiling_is_1024_unless_pids_limit_says_otherwise(
+            self, tmp_path: Path) -> None:
+        async def pids_max(**kwargs: object) -> str:
+            async with running(make_environment(tmp_path, **kwargs)) as environment:
+                directory = hierarchy_dir("pids", sandbox_cgroups(environment))
+                return (directory / "pids.max").read_text().strip()
+
+        async def scenario() -> None:
+            assert await pids_max() == "1024"
+            assert await pids_max(pids_limit="4096") == "4096"  # as --ek passes it
+            assert await pids_max(pids_limit=0) == "max"  # none
+
+        run(scenario)
+
+    def test_dev_shm_is_bounded_so_filling_it_fails_and_the_helper_lives(
+            self, tmp_path: Path) -> None:
+        async def scenario() -> None:
+            async with running(make_environment(tmp_path)) as environment:
+                size = await environment.exec(
+                    "df -k --output=size /dev/shm | tail -n 1; stat -c %a /dev/shm")
+                assert (size.stdout or "").split() == ["65536", "1777"]  # as Docker's
+                # /dev itself, an in-memory filesystem of no size, takes no files.
+                beside = await environment.exec("echo x > /dev/fill")
+                assert "Read-only file system" in (beside.stderr or ""), beside
+                assert (await environment.exec("echo x > /dev/null")).return_code == 0
+            constrained = make_environment(tmp_path, config=EnvironmentConfig(memory_mb=64))
+            async with running(constrained) as environment:
+                fill = await environment.exec("head -c 200000000 /dev/zero > /dev/shm/fill")
+                assert fill.return_code != 0
+                assert "No space left on device" in (fill.stderr or ""), fill
+                size = await environment.exec("du -k /dev/shm/fill | cut -f1")
+                assert int(size.stdout or 0) <= 32 << 10  # half of memory_mb
+                assert (await environment.exec("echo alive")).stdout == "alive\n"
+
+        run(scenario)
+
+    def test_commands_start_above_the_helper_for_the_oom_killer_and_cannot_go_below(
+            self, tmp_path: Path) -> None:
+        async def scenario() -> None:
+            async with running(make_environment(tmp_path)) as environment:
+                sandbox = environment._sandbox
+                assert sandbox is not None
+                helper = int(Path(f"/proc/{sandbox.helper_pid}/oom_score_adj").read_text())
+                score = await environment.exec("cat /proc/self/oom_score_adj")
+                assert int(score.stdout or "") == min(1000, helper + 500)
+                lower = await environment.exec(f"echo {helper - 1} > /proc/self/oom_score_adj")
+                assert lower.return_code != 0, lower
+
+        run(scenario)
+
+    def test_a_trial_whose_helper_dies_says_how_and_what_the_kernel_killed(
+            self, tmp_path: Path) -> None:
+        async def scenario() -> None:
+            environment = make_environment(tmp_path, config=EnvironmentConfig(memory_mb=64))
+            async with running(environment):
+                too_big = await environment.exec(
+                    "python3 -c 'b = b\"x\" * (256 << 20)'")
+                assert too_big.return_code == 137, too_big
+                sandbox = environment._sandbox
+                assert sandbox is not None
+                seconds = unique_seconds()
+                command = asyncio.create_task(environment.exec(f"sleep {seconds}"))
+                assert len(await until_sleeping(seconds, 1)) == 1
+                os.kill(sandbox.helper_pid, signal.SIGKILL)
+                with pytest.raises(ChannelClosed) as failure:
+                    await command
+                message = str(failure.value)
+                assert "helper (PID 1) was killed by SIGKILL" in message, message
+                assert re.search(r"killed [1-9]\d* process\(es\) of the trial for want of "
+                                 "memory", message), message
+
+        run(scenario)
+
+
+def test_storage_mb_is_said_once_per_task_to_be_unenforced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_environment, "_WARNED_UNENFORCED", set())
+    config = EnvironmentConfig(storage_mb=512)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            limits = make_environment(tmp_path, config=config)._limits()
+    warnings = [r.getMessage() for r in caplog.records if "not enforced" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "storage_mb=512" in warnings[0] and "no disk quota" in warnings[0]
+    assert limits.pids == (1024 if HOST.offers("pids") else None)
+
+
+@pytest.mark.harbor
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0,
+                    reason="LocalEnvironment is exercised here as root on Linux")
+@pytest.mark.skipif(not HOST.offers("pids"),
+                    reason=f"this machine's cgroups cannot hold limits: {HOST.reason}")
+def test_harbors_cli_passes_pids_limit_and_a_solutions_fork_bomb_is_refused(
+        tmp_path: Path) -> None:
+    task = tmp_path / "fork-bomb"
+    shutil.copytree(TASKS / "hello-file", task)
+    (task / "solution" / "solve.sh").write_text(f"#!/bin/sh\n{FORK_BOMB} > /app/forks\n")
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/sh\nmkdir -p /logs/verifier\nread forked refused < /app/forks\n"
+        "cp /app/forks /logs/verifier/forks\n"
+        'if [ "$refused" -gt 0 ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n')
+
+    completed = run_harbor(tmp_path / "jobs", "-p", str(task), "-a", "oracle",
+                           "--ek", "pids_limit=64")
+
+    assert completed.returncode == 0, completed.stderr
+    [(name, result)] = trial_results(tmp_path / "jobs").items()
+    assert result["exception_info"] is None, result["exception_info"]
+    forks = tmp_path / "jobs" / "job" / name / "verifier" / "forks"
+    assert reward(result) == 1.0, forks.read_text() if forks.exists() else None
+    forked, refused = map(int, forks.read_text().split())
+    assert forked < 64 and forked + refused == 200

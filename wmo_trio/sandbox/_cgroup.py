@@ -1,11 +1,14 @@
-"""A trial's CPU and memory ceilings (``task.toml``'s ``cpus`` and ``memory_mb``), and a
-ceiling on its processes where one is given, as a cgroup of its own.
+"""A trial's CPU, memory and process ceilings (``task.toml``'s ``cpus`` and
+``memory_mb``, the environment's ``pids_limit``) as a cgroup of its own.
 
 A trial's cgroup is made beside nothing of anyone else's: a child of the harbor
-process's own cgroup, in every hierarchy that holds the ``cpu`` or ``memory``
-controller, named ``wmo-trio.<owner pid>.<random>``. The sandbox's launch script writes
-its own PID into it before it starts bubblewrap, so every process of the sandbox is in
-it from the first, and the sandbox's cgroup namespace makes it the sandbox's root.
+process's own cgroup, in every hierarchy that holds the ``cpu``, ``memory`` or ``pids``
+controller, named ``wmo-trio.<owner pid>.<random>``. The ``pids`` one is made for every
+trial, ceiling or not: its child ``services`` holds the image's ``ENTRYPOINT`` and all it
+starts, so what the agent started can be told from the services wherever they went.
+The sandbox's launch script writes its own PID into it before it starts bubblewrap, so
+every process of the sandbox is in it from the first, and the sandbox's cgroup namespace
+makes it the sandbox's root.
 
 Where that works: as root under cgroup v1 (each controller's hierarchy is writable by
 root), and under cgroup v2 where the controllers are enabled for the children of the
@@ -26,13 +29,17 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-__all__ = ["HostCgroups", "Limits", "TrialCgroup", "host_cgroups", "remove_stale_cgroups"]
+__all__ = ["SERVICES", "HostCgroups", "Limits", "TrialCgroup", "host_cgroups",
+           "remove_stale_cgroups"]
 
 PREFIX = "wmo-trio."
 CPU_PERIOD_US = 100_000
 # The kernel's smallest CFS quota.
 MIN_CPU_QUOTA_US = 1_000
 CONTROLLERS = ("cpu", "memory", "pids")
+# The child cgroup of a trial's that holds its ENTRYPOINT; as the trial's processes see
+# it in /proc/<pid>/cgroup, the trial's own cgroup being their namespace's root.
+SERVICES = "services"
 # How long a stop waits for the kernel to empty a cgroup whose processes were killed;
 # one left busy is removed by a later start.
 REMOVE_PATIENCE_SEC = 2.0
@@ -84,14 +91,16 @@ class HostCgroups:
         return any(controller in h.controllers for h in self.hierarchies)
 
     def for_limits(self, limits: Limits) -> tuple[Hierarchy, ...]:
-        return tuple(h for h in self.hierarchies
-                     if any(name in h.controllers for name in limits.wanted))
+        """The hierarchies a trial's cgroup goes in: those of its limits, and the one
+        holding ``pids`` whatever they are (see :attr:`TrialCgroup.services`)."""
+        wanted = {*limits.wanted, "pids"}
+        return tuple(h for h in self.hierarchies if wanted & h.controllers)
 
 
 @cache
 def host_cgroups() -> HostCgroups:
-    """This process's cgroups, read once: which hierarchies offer ``cpu`` and
-    ``memory`` for trials' cgroups."""
+    """This process's cgroups, read once: which hierarchies offer ``cpu``, ``memory``
+    and ``pids`` for trials' cgroups."""
     try:
         mountinfo = Path("/proc/self/mountinfo").read_text()
         membership = Path("/proc/self/cgroup").read_text()
@@ -205,37 +214,60 @@ class TrialCgroup:
     """One trial's cgroups (one per hierarchy used), with its limits written."""
 
     directories: tuple[Path, ...]
+    # The child of the trial's cgroup that holds its ENTRYPOINT (in the hierarchy with
+    # ``pids``: every trial has a cgroup there); None where no hierarchy has ``pids``.
+    services: Path | None = None
+    memory: Path | None = None  # the trial's cgroup in the hierarchy with ``memory``
 
     @classmethod
     def create(cls, limits: Limits) -> TrialCgroup | None:
-        """Make the cgroups ``limits`` need and write the limits; None when there is
-        nothing to limit or nowhere to do it."""
+        """Make the cgroups ``limits`` need (and the ``pids`` one) and write the
+        limits; None when there is nowhere to do it."""
         hierarchies = host_cgroups().for_limits(limits)
         if not hierarchies:
             return None
         name = f"{PREFIX}{os.getpid()}.{uuid.uuid4().hex[:12]}"
-        made: list[Path] = []
+        made = cls(())
         try:
             for hierarchy in hierarchies:
                 directory = hierarchy.base / name
                 directory.mkdir()
-                made.append(directory)
+                made.directories += (directory,)
                 _write_limits(directory, hierarchy, limits)
+                if "memory" in hierarchy.controllers:
+                    made.memory = directory
+                if "pids" in hierarchy.controllers:
+                    (directory / SERVICES).mkdir()
+                    made.services = directory / SERVICES
         except BaseException:
-            cls(tuple(made)).remove(patience=0.0)
+            made.remove(patience=0.0)
             raise
-        return cls(tuple(made))
+        return made
 
     @property
     def procs_files(self) -> tuple[Path, ...]:
         """Where a process writes its PID to join (its children follow)."""
         return tuple(directory / "cgroup.procs" for directory in self.directories)
 
+    def oom_kills(self) -> int | None:
+        """How many processes the kernel killed for want of memory in the trial, as
+        its memory cgroup counts them; None when that cannot be read."""
+        if self.memory is None:
+            return None
+        for name in ("memory.events", "memory.oom_control"):  # cgroup v2, v1
+            with contextlib.suppress(OSError, ValueError):
+                for line in (self.memory / name).read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        return None
+
     def remove(self, patience: float = REMOVE_PATIENCE_SEC) -> bool:
         """Remove the cgroups once the kernel has emptied them (their processes
         were killed); True when all are gone."""
         deadline = time.monotonic() + patience
-        left = list(self.directories)
+        # A child before its parent: a cgroup with children cannot be removed.
+        left = [*([self.services] if self.services else []), *self.directories]
         while left:
             for directory in list(left):
                 try:
@@ -262,6 +294,8 @@ def _write_limits(directory: Path, hierarchy: Hierarchy, limits: Limits) -> None
         else:
             write("cpu.cfs_period_us", CPU_PERIOD_US)
             write("cpu.cfs_quota_us", quota)
+    if limits.pids is not None and "pids" in hierarchy.controllers:
+        write("pids.max", limits.pids)
     if limits.memory_mb is not None and "memory" in hierarchy.controllers:
         memory = limits.memory_mb << 20
         # As Docker's --memory alone: as much swap again as memory, no more.
@@ -289,6 +323,8 @@ def remove_stale_cgroups(host: HostCgroups | None = None) -> list[Path]:
                 continue
             if _alive(owner):
                 continue
+            with contextlib.suppress(OSError):
+                (directory / SERVICES).rmdir()
             with contextlib.suppress(OSError):
                 directory.rmdir()
                 removed.append(directory)

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from harbor.environments.base import BaseEnvironment, ExecResult
@@ -26,7 +26,7 @@ from harbor.models.trial.paths import EnvironmentPaths
 from harbor.utils.path_filter import filter_paths_by_patterns
 
 from wmo_trio.sandbox import _transfer
-from wmo_trio.sandbox._cgroup import Limits, host_cgroups, remove_stale_cgroups
+from wmo_trio.sandbox._cgroup import SERVICES, Limits, host_cgroups, remove_stale_cgroups
 from wmo_trio.sandbox._dockerfile import DockerfileError
 from wmo_trio.sandbox._image import Image, ImageCache, ImageConfig, default_cache_dir
 from wmo_trio.sandbox._namespace import (
@@ -40,7 +40,7 @@ from wmo_trio.sandbox._namespace import (
     remove_tree,
     unavailable,
 )
-from wmo_trio.sandbox._processes import SpawnFailed
+from wmo_trio.sandbox._processes import ChannelClosed, SpawnFailed
 from wmo_trio.sandbox._rootfs import host_layers
 
 __all__ = ["LocalEnvironment"]
@@ -53,6 +53,11 @@ BUILD_LOG = "sandbox-build.log"
 # What harbor's Docker environment runs as the container's command; an ENTRYPOINT
 # receives it as its arguments.
 KEEPALIVE = ["sh", "-c", "sleep infinity"]
+# A trial's processes (threads count) when the job does not say: far above what builds
+# and test suites use, and a fork bomb in each of several concurrent trials still leaves
+# the host's PIDs (32,768 by default) to the host.
+DEFAULT_PIDS_LIMIT = 1024
+DEFAULT_SHM_SIZE_MB = 64  # Docker's
 # Tasks whose limits this process already said it cannot enforce: once each, not per trial.
 _WARNED_UNENFORCED: set[str] = set()
 # What this process already said once, not per trial: the auto_mounting refusal, and
@@ -106,6 +111,8 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         build_args: Mapping[str, str] | str | None = None,
         download_limit_mb: float | str | None = None,
         download_timeout_sec: float | str | None = None,
+        pids_limit: int | str = DEFAULT_PIDS_LIMIT,
+        shm_size_mb: int | str = DEFAULT_SHM_SIZE_MB,
         **kwargs: Any,
     ) -> None:
         self._transfer_limits = _transfer.TransferLimits(
@@ -134,6 +141,8 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         ):
             raise ValueError("build_args must be a JSON object of strings, e.g. '{\"V\": \"1\"}'")
         self._build_args = dict(build_args or {})
+        self._pids_limit = _count("pids_limit", pids_limit, minimum=0, zero="no cap")
+        self._shm_size_mb = _count("shm_size_mb", shm_size_mb, minimum=1)
         self._sandbox: Sandbox | None = None
         self._started = False  # a sandbox ran, whether or not it still does
         self._said_not_started = False
@@ -163,12 +172,13 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             cpu_limit=cgroups.offers("cpu"), memory_limit=cgroups.offers("memory"),
             fractional_cpus=True)
 
-    def _limits(self) -> Limits | None:
+    def _limits(self) -> Limits:
         """The trial's ceilings as harbor resolves them (task.toml's ``cpus`` and
-        ``memory_mb``, overrides, the enforcement policy); those this machine cannot
-        enforce are dropped, with a warning."""
+        ``memory_mb``, overrides, the enforcement policy) and ``pids_limit``; those this
+        machine cannot enforce are dropped, with a warning, as is ``storage_mb``."""
         cpus = self._resource_limit_value("cpu", auto_mode=ResourceMode.LIMIT)
         memory_mb = self._resource_limit_value("memory", auto_mode=ResourceMode.LIMIT)
+        pids = self._pids_limit or None
         cgroups = host_cgroups()
         unenforced = []
         if cpus is not None and not cgroups.offers("cpu"):
@@ -177,12 +187,29 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         if memory_mb is not None and not cgroups.offers("memory"):
             unenforced.append(f"memory_mb={memory_mb}")
             memory_mb = None
+        if pids is not None and not cgroups.offers("pids"):
+            unenforced.append(f"pids_limit={pids}")
+            pids = None
+        reasons = [cgroups.reason] if unenforced else []
+        storage_mb = self._effective_storage_mb
+        if storage_mb is not None:
+            unenforced.append(f"storage_mb={storage_mb}")
+            reasons.append("this environment sets no disk quota (a trial's writes go to "
+                           "the state directory's filesystem)")
         if unenforced and self.environment_name not in _WARNED_UNENFORCED:
             _WARNED_UNENFORCED.add(self.environment_name)
             self.logger.warning("%s: %s not enforced: %s", self.environment_name,
-                                " and ".join(unenforced), cgroups.reason)
-        limits = Limits(cpus=None if cpus is None else float(cpus), memory_mb=memory_mb)
-        return limits if limits.wanted else None
+                                " and ".join(unenforced), "; ".join(map(str, reasons)))
+        return Limits(cpus=None if cpus is None else float(cpus), memory_mb=memory_mb,
+                      pids=pids)
+
+    def _shm_bytes(self, limits: Limits) -> int:
+        """``/dev/shm``'s size: what it holds counts against memory_mb, and a trial
+        that fills it past that leaves nothing for its processes."""
+        size = self._shm_size_mb << 20
+        if limits.memory_mb is not None:
+            size = min(size, limits.memory_mb << 19)
+        return size
 
     @classmethod
     def preflight(cls) -> None:
@@ -278,10 +305,11 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             if self._network:
                 etc["resolv.conf"] = "nameserver 10.0.2.3\n"
             binds = await asyncio.to_thread(self._binds)
+            limits = self._limits()
             self._sandbox = await Sandbox.launch(
                 state=state, host=host, image_layer=image.layer if image else None,
                 network=self._network, hostname=hostname, binds=binds, etc_files=etc,
-                limits=self._limits(),
+                limits=limits, shm_bytes=self._shm_bytes(limits),
             )
             self._image = image
             self._started = True
@@ -383,16 +411,24 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             log.write(text)
             log.flush()
 
+        sandbox = self._require_sandbox()
+        services = sandbox.cgroup.services if sandbox.cgroup is not None else None
+        join = None
         try:
             with log:
-                completed = await self._require_sandbox().channel.run(
+                if services is not None:
+                    join = os.open(services / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+                completed = await sandbox.channel.run(
                     argv, env=self._base_env(), cwd=self._config.workdir or "/",
                     user=self._config.user, output_limit=0, callback=write,
-                    stream_limit=ENTRYPOINT_LOG_LIMIT,
+                    stream_limit=ENTRYPOINT_LOG_LIMIT, service=True, join=join,
                 )
                 self.logger.debug("the ENTRYPOINT exited with %d", completed.return_code)
         except Exception as error:  # the trial goes on, as a container whose main process died
             self.logger.warning("the ENTRYPOINT failed: %s", error)
+        finally:
+            if join is not None:
+                os.close(join)
 
     async def stop(self, delete: bool) -> None:
         """End every process of the trial; remove its upper directories unless
@@ -465,6 +501,10 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             )
         except SpawnFailed as error:
             return ExecResult(stdout=None, stderr=str(error), return_code=error.code)
+        except ChannelClosed as error:
+            if sandbox.stopped:
+                raise
+            raise ChannelClosed(await sandbox.death()) from error
         except TimeoutError:
             raise RuntimeError(f"Command timed out after {timeout_sec} seconds") from None
         return ExecResult(
@@ -472,6 +512,38 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             stderr=completed.stderr.decode(errors="replace") if completed.stderr else None,
             return_code=completed.return_code,
         )
+
+    # ------------------------------------------------------------------ agent phase
+
+    async def prepare_logs_for_host(self) -> None:
+        """Harbor reads the agent's logs where they are mounted: the agent is done."""
+        await self._end_agent_processes()
+
+    async def _end_agent_processes(self) -> None:
+        """End every process of the trial but the ENTRYPOINT's services (and the
+        helper), before the verifier runs: nothing the agent started may change what
+        it checks.
+
+        Harbor 0.25 says nothing to an environment when an agent phase ends; the first
+        thing it does after one, in every kind of trial and whether the agent returned,
+        failed or timed out, is to read the agent's logs (``Trial._sync_agent_output``:
+        ``download_dir`` of ``/logs/agent``, or ``prepare_logs_for_host`` where they
+        are mounted), before it uploads the logs back, collects artifacts or starts a
+        verifier (tests/test_sandbox_agent_end.py holds harbor to that order). What the
+        agent started is every process outside the services' cgroup, wherever it went;
+        without cgroups, every process the ENTRYPOINT's sessions, ancestry and tag do
+        not claim.
+        """
+        sandbox = self._sandbox
+        if sandbox is None or sandbox.stopped:
+            return
+        services = sandbox.cgroup is not None and sandbox.cgroup.services is not None
+        try:
+            ended = await sandbox.channel.clear(f"/{SERVICES}" if services else None)
+        except ChannelClosed as error:
+            raise ChannelClosed(await sandbox.death()) from error
+        if ended:
+            self.logger.debug("ended %d process(es) the agent left running", ended)
 
     # ------------------------------------------------------------------ files
 
@@ -538,6 +610,8 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                         **options: Any) -> None:
         if self._never_started():  # nothing to copy, and nothing raised
             return
+        if PurePosixPath(source_dir) == EnvironmentPaths.agent_dir:
+            await self._end_agent_processes()  # the agent phase has ended: see there
         outcome = await _transfer.download_dir(self._require_sandbox().open_root, source_dir,
                                                Path(target_dir), self._transfer_limits,
                                                **options)
@@ -563,6 +637,17 @@ def _tar_excluded(path: str, patterns: Sequence[str]) -> bool:
     parts = path.split("/")
     return any(fnmatch.fnmatchcase("/".join(parts[index:]), pattern.strip("/"))
                for index in range(len(parts)) for pattern in patterns)
+
+
+def _count(name: str, value: object, *, minimum: int, zero: str = "") -> int:
+    """A whole-number environment kwarg (harbor's ``--ek`` passes text or JSON)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        meaning = f" ({minimum}: {zero})" if zero else ""
+        raise ValueError(f"{name} must be a whole number >= {minimum}{meaning}, "
+                         f"not {value!r}")
+    return value
 
 
 def _job_sources(config_path: Path) -> list[Path]:

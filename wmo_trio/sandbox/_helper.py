@@ -9,11 +9,19 @@ as file descriptors (``SCM_RIGHTS``), so output never passes through this proces
 Requests (host to helper):
 
 - ``{"op": "spawn", "id": N, "argv": [...], "env": {...}, "cwd": "/x", "user": spec,
-  "tag": "..."}`` with three descriptors: stdin, stdout, stderr.
+  "tag": "...", "service": bool}`` with three descriptors: stdin, stdout, stderr, and
+  for a service a fourth: a cgroup's ``cgroup.procs``, which the command joins first.
 - ``{"op": "kill", "id": N}``: end every process the command started.
+- ``{"op": "clear", "id": N, "cgroup": "/services" or null}``: end every process but
+  this one and the services' (those in that cgroup, else those the service commands
+  started); replies ``{"id": N, "cleared": count}``.
 
 Replies: ``{"op": "ready"}`` once, then per command ``{"id": N, "pid": P}`` or
 ``{"id": N, "error": "...", "code": C}``, and ``{"id": N, "exit": status}``.
+
+Commands start with an out-of-memory score 500 above this process's (as high as an
+unprivileged process may raise its own, and no protection it could keep): when the
+trial runs out of memory, the kernel ends a command rather than this process.
 
 When the socket closes (the host stopped the trial, or died), the helper exits; the
 kernel then kills every other process of the PID namespace. As PID 1 it cannot be
@@ -35,12 +43,15 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 # Set in every command's environment: finds a command's daemons even after they left
 # its session and were re-parented to this process.
 TAG_VARIABLE = "WMO_TRIO_EXEC"
 MAX_MESSAGE = 1 << 20
+OOM_SCORE_ADJ_RAISE = 500
+OOM_SCORE_ADJ_MAX = 1000
 # Bounds a kill only for processes the kernel cannot end (stuck in uninterruptible I/O).
 KILL_WAIT_SEC = 20.0
 PR_SET_DUMPABLE = 4
@@ -88,11 +99,22 @@ def spawn(request: dict[str, Any], fds: list[int]) -> int:
     env.setdefault("HOME", home)
     env[TAG_VARIABLE] = request["tag"]
     argv = request["argv"]
+    join = fds[3] if len(fds) > 3 else None
+    fds = fds[:3]
     report_read, report_write = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as error:  # EAGAIN: the trial holds as many processes as it may
+        os.close(report_read)
+        os.close(report_write)
+        raise SpawnError(f"cannot start {argv[0]}: {error.strerror} (the trial has as "
+                         "many processes as its pids_limit allows)", 126) from None
     if pid == 0:  # the child: nothing here may return
         try:
             os.close(report_read)
+            if join is not None:
+                os.write(join, b"0")
+            _raise_oom_score()
             os.setsid()
             for target, source in enumerate(fds):
                 os.dup2(source, target)
@@ -127,6 +149,13 @@ def spawn(request: dict[str, Any], fds: list[int]) -> int:
         message, code = json.loads(failure)
         raise SpawnError(message, code)
     return pid
+
+
+def _raise_oom_score() -> None:
+    with open("/proc/self/oom_score_adj", "rb") as handle:
+        current = int(handle.read())
+    with open("/proc/self/oom_score_adj", "wb") as handle:
+        handle.write(str(min(OOM_SCORE_ADJ_MAX, current + OOM_SCORE_ADJ_RAISE)).encode())
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -171,15 +200,49 @@ def processes_of(leader: int, tag: str) -> set[int]:
     return found
 
 
+def in_cgroup(pid: int, cgroup: str) -> bool:
+    """Whether the process is in ``cgroup`` or below it (as this namespace names it) in
+    some hierarchy: no process of the sandbox can change its cgroups."""
+    try:
+        with open(f"/proc/{pid}/cgroup", "rb") as handle:
+            lines = handle.read().decode(errors="replace").splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        path = line.split(":", 2)[-1]
+        if path == cgroup or path.startswith(cgroup + "/"):
+            return True
+    return False
+
+
+def live_processes() -> set[int]:
+    """Every live process of the sandbox but this one."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit() and name != "1":
+            fields = _stat_fields(int(name))
+            if fields is not None and fields[0] not in ("Z", "X"):
+                found.add(int(name))
+    return found
+
+
 def kill_tree(leader: int, tag: str) -> None:
     """Stop every process of the command before killing any (a shell whose child died
     first could otherwise run the rest of its script), wait until each has died, and
     repeat while forks race. Returns once none is left alive, or after KILL_WAIT_SEC."""
+    kill_all(lambda: processes_of(leader, tag))
+
+
+def kill_all(find: Callable[[], set[int]]) -> int:
+    """Kill what ``find`` returns as :func:`kill_tree` does, until it returns nothing;
+    how many processes were killed."""
     deadline = time.monotonic() + KILL_WAIT_SEC
+    killed = 0
     while time.monotonic() < deadline:
-        victims = processes_of(leader, tag)
+        victims = find()
         if not victims:
-            return
+            return killed
+        killed += len(victims)
         handles = []
         for pid in victims:
             try:
@@ -199,18 +262,20 @@ def kill_tree(leader: int, tag: str) -> None:
             while pending:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return
+                    return killed
                 ready, _, _ = select.select(pending, [], [], left)
                 pending = [handle for handle in pending if handle not in ready]
         finally:
             for handle in handles:
                 os.close(handle)
+    return killed
 
 
 class Helper:
     def __init__(self, channel: socket.socket) -> None:
         self.channel = channel
         self.running: dict[int, tuple[int, str]] = {}  # pid -> (request id, tag)
+        self.services: dict[int, str] = {}  # pid -> tag, of the service commands running
 
     def send(self, message: dict[str, Any]) -> None:
         self.channel.sendall(json.dumps(message).encode())
@@ -224,14 +289,30 @@ class Helper:
                     self.send({"id": request["id"], "error": str(error), "code": error.code})
                 else:
                     self.running[pid] = (request["id"], request["tag"])
+                    if request.get("service"):
+                        self.services[pid] = request["tag"]
                     self.send({"id": request["id"], "pid": pid})
             elif request["op"] == "kill":
                 for pid, (request_id, tag) in list(self.running.items()):
                     if request_id == request["id"]:
                         kill_tree(pid, tag)
+            elif request["op"] == "clear":
+                cleared = kill_all(lambda: self.not_services(request.get("cgroup")))
+                self.send({"id": request["id"], "cleared": cleared})
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def not_services(self, cgroup: str | None) -> set[int]:
+        """Every live process but this one and the services': those in ``cgroup``
+        when one is given, else those the service commands started (by session, group,
+        ancestry and tag: a service that left all four is not told apart)."""
+        kept: set[int] = set()
+        if cgroup is None:
+            for pid, tag in self.services.items():
+                kept |= processes_of(pid, tag) | {pid}
+        return {pid for pid in live_processes() - kept
+                if cgroup is None or not in_cgroup(pid, cgroup)}
 
     def reap(self) -> None:
         """Reap every exited child, then report the commands among them: once the host
@@ -245,6 +326,7 @@ class Helper:
                 break
             if pid == 0:
                 break
+            self.services.pop(pid, None)
             if pid in self.running:
                 request_id, _ = self.running.pop(pid)
                 exited.append({"id": request_id, "exit": os.waitstatus_to_exitcode(status)})

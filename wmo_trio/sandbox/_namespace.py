@@ -5,8 +5,9 @@ namespace around it, its user-mode network, and its removal.
 overlays are mounted (bubblewrap 0.8 has no overlay option), so no mount is ever visible
 on the host and all of them vanish with the sandbox's last process. bubblewrap then
 pivots into that root with fresh PID, IPC, UTS, network and cgroup namespaces, a new
-``/proc`` (``/proc/sys`` and ``/proc/sysrq-trigger`` read-only), a minimal ``/dev``, an empty environment and
-Docker's default capabilities less ``CAP_MKNOD``; the helper runs there as PID 1. With
+``/proc`` (``/proc/sys`` and ``/proc/sysrq-trigger`` read-only), a minimal read-only
+``/dev``, an empty environment and Docker's default capabilities less ``CAP_MKNOD``; the
+helper runs there as PID 1. With
 ``--die-with-parent`` the whole sandbox is killed when the process that started it dies.
 Every process there runs under Docker's default seccomp filter (``_seccomp``) and in a
 session keyring of the sandbox's own, joined before bubblewrap starts.
@@ -54,6 +55,7 @@ CAPABILITIES = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CA
 PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/fs")
 # Shown empty, as Docker masks them: the host root's keys, by description and owner.
 PROC_MASKED = ("/proc/keys", "/proc/key-users")
+DEFAULT_SHM_BYTES = 64 << 20  # Docker's size of /dev/shm
 _UNSAFE_OVERLAY_PATH = re.compile(r"[,:\\\s]")
 
 
@@ -246,11 +248,12 @@ class Sandbox:
         binds: Sequence[Bind] = (),
         etc_files: dict[str, str] | None = None,
         limits: Limits | None = None,
+        shm_bytes: int = DEFAULT_SHM_BYTES,
     ) -> Sandbox:
         """Mount the root in ``state``, start bubblewrap and its helper there and, with
-        ``network``, a slirp4netns stack for its network namespace; with ``limits``,
-        every process of the sandbox runs in a cgroup of its own that holds them
-        (where this machine offers cgroups: see ``_cgroup``).
+        ``network``, a slirp4netns stack for its network namespace; every process of
+        the sandbox runs in a cgroup of its own that holds them to ``limits`` (where
+        this machine offers cgroups: see ``_cgroup``). ``/dev/shm`` holds ``shm_bytes``.
 
         If this fails or is cancelled, whatever was started is stopped again; the state
         directory is the caller's to remove.
@@ -269,6 +272,7 @@ class Sandbox:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         bwrap = [
             "bwrap", "--bind", str(root), "/", "--proc", "/proc", "--dev", "/dev",
+            "--size", str(shm_bytes), "--perms", "1777",  # Docker's /dev/shm
             "--tmpfs", "/dev/shm", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             "--unshare-net", "--unshare-cgroup", "--hostname", hostname, "--die-with-parent",
             "--as-pid-1", "--clearenv", "--setenv", "PATH", DEFAULT_PATH,
@@ -284,6 +288,9 @@ class Sandbox:
             bwrap += ["--cap-add", capability]
         for bind in binds:
             bwrap += ["--ro-bind" if bind.read_only else "--bind", bind.source, bind.target]
+        # Last, once mount points are made: /dev is an in-memory filesystem without a
+        # size (Docker's holds 64 MiB), whose files no process frees when memory runs out.
+        bwrap += ["--remount-ro", "/dev"]
         bwrap += ["python3", "-I", "-S", f"/proc/self/fd/{helper_fd}"]
         log = os.open(state.path / "launch.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         process: asyncio.subprocess.Process | None = None
@@ -291,8 +298,7 @@ class Sandbox:
         sandbox: Sandbox | None = None
         cgroup: TrialCgroup | None = None
         try:
-            if limits is not None:
-                cgroup = await asyncio.to_thread(TrialCgroup.create, limits)
+            cgroup = await asyncio.to_thread(TrialCgroup.create, limits or Limits())
             # The launch joins the cgroup first: bubblewrap and all it starts follow.
             joins = [f"echo $$ > {_quote(str(path))}"
                      for path in (cgroup.procs_files if cgroup else ())]
@@ -395,6 +401,28 @@ class Sandbox:
             detail = (await self.network.stderr.read()).decode(errors="replace").strip()
             raise unavailable(f"slirp4netns could not give the sandbox a network: "
                               f"{detail.splitlines()[-1] if detail else 'it exited'}")
+
+    async def death(self) -> str:
+        """Why the sandbox's helper is gone, for an error once its channel closed
+        unasked: how its PID 1 ended and whether the kernel killed for want of
+        memory in the trial."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STOP_TIMEOUT_SEC):
+                await self.process.wait()
+        code = self.process.returncode
+        # bubblewrap exits with its PID 1's status, 128 + the signal that killed it.
+        if code is None:
+            ended = "its helper (PID 1) closed its channel"
+        elif code > 128 and code - 128 in set(signal.Signals):
+            ended = f"its helper (PID 1) was killed by {signal.Signals(code - 128).name}"
+        else:
+            ended = f"its helper (PID 1) exited with status {code}"
+        oom = None if self.cgroup is None else await asyncio.to_thread(self.cgroup.oom_kills)
+        if oom:
+            ended += (f"; the kernel killed {oom} process(es) of the trial for want of memory "
+                      "(memory_mb is its ceiling, and files in /dev/shm and other in-memory "
+                      "filesystems count against it)")
+        return "the trial's sandbox died: " + ended
 
     async def stop(self) -> None:
         """End every process of the sandbox (closing the helper's socket ends its PID

@@ -174,9 +174,13 @@ class Channel:
         output_limit: int = 4 << 20,
         callback: OutputCallback | None = None,
         stream_limit: int | None = None,
+        service: bool = False,
+        join: int | None = None,
     ) -> Completed:
         """Run ``argv`` in the sandbox and wait for it.
 
+        A ``service`` (the image's ENTRYPOINT) and all it starts outlive :meth:`clear`;
+        ``join`` is a cgroup's ``cgroup.procs``, opened for writing, that it joins.
         stdout is captured unless ``stdout`` (a host file) is given; stderr always is.
         Captured output keeps its head and tail within ``output_limit`` bytes a stream;
         a cut is reported at the end of stderr. ``callback`` receives the first
@@ -205,8 +209,10 @@ class Channel:
                     read_ends[name] = read_fd
                     passed.append(write_fd)
                     to_close.append(write_fd)
+            if join is not None:
+                passed.append(join)
             request = {"op": "spawn", "id": request_id, "argv": list(argv), "env": dict(env),
-                       "cwd": cwd, "user": user, "tag": uuid.uuid4().hex}
+                       "cwd": cwd, "user": user, "tag": uuid.uuid4().hex, "service": service}
             await self._send(request, passed)
         except BaseException:
             for fd in [*to_close, *read_ends.values()]:
@@ -266,6 +272,24 @@ class Channel:
         if notes:
             stderr += "".join(notes).encode()
         return Completed(code, caps["stdout"].value(), stderr)
+
+    async def clear(self, cgroup: str | None) -> int:
+        """End every process of the sandbox but its helper and the services' (those in
+        ``cgroup``, as the sandbox names it, when given; else those the service commands
+        started, as far as their sessions, ancestry and environments tell); how many
+        were ended. Once it returns, none of them is left running."""
+        request_id = self._next_id
+        self._next_id += 1
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._waiting[request_id] = queue
+        try:
+            await self._send({"op": "clear", "id": request_id, "cgroup": cgroup})
+            reply = await queue.get()
+        finally:
+            del self._waiting[request_id]
+        if "closed" in reply:
+            raise ChannelClosed("the sandbox's helper exited")
+        return int(reply["cleared"])
 
     async def _kill(self, request_id: int, queue: asyncio.Queue[dict[str, Any]]) -> None:
         """Kill a command's process tree and wait until the helper reports it gone;
