@@ -642,6 +642,31 @@ def test_harness_from_parses_one_content_once_and_a_changed_content_anew() -> No
             harness_from(broken)
 
 
+def test_harness_from_reads_a_path_once_per_version_of_its_file(tmp_path: Path) -> None:
+    text = EXAMPLE.read_text()
+    path = write(tmp_path, "doc.json", text)
+    first = harness_from(path)
+    assert harness_from(str(path)) is first and harness_from(path) is first
+    data = json.loads(text)
+    data["surfaces"][0]["content"] += " Be brief."
+    path.write_text(json.dumps(data))
+    os.utime(path, ns=(1, 1))  # a new version even where the clock is coarse
+    rewritten = harness_from(path)
+    assert rewritten is not first and rewritten.doc_hash != first.doc_hash
+    assert harness_from(path) is rewritten
+
+
+def test_a_mapping_larger_than_a_document_file_may_be_is_parsed_but_not_kept() -> None:
+    # Its canonical text would be the key: over MAX_DOCUMENT_BYTES, nothing that large is kept.
+    surfaces = [surface(f"prompt:p{i}", "x" * (MAX_CONTENT_CHARS - 1))
+                for i in range(MAX_DOCUMENT_BYTES // MAX_CONTENT_CHARS + 1)]
+    big = {"name": "big", "surfaces": surfaces}
+    assert harness_from(big) is not harness_from(big)
+    assert harness_from(big) == harness_from(big)
+    small = doc()
+    assert harness_from(small) is harness_from(small)
+
+
 def test_the_agent_reads_its_model_name_as_a_provider_and_model_without_litellm(
     tmp_path: Path,
 ) -> None:

@@ -3,11 +3,10 @@ gives the document so named, parsed once per content."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import cast
@@ -16,7 +15,7 @@ from wmo_trio.file_cache import parse_file_once
 from wmo_trio.harness._document import HarnessDoc, parse_harness
 from wmo_trio.harness._files import Unreadable, load_harness
 from wmo_trio.harness._json import parse_harness_json
-from wmo_trio.harness._limits import HarnessError
+from wmo_trio.harness._limits import MAX_DOCUMENT_BYTES, HarnessError
 
 
 class DocumentForm(StrEnum):
@@ -48,24 +47,24 @@ def document_form(value: object) -> DocumentForm | None:
     return None
 
 
-_PARSED: OrderedDict[str, HarnessDoc] = OrderedDict()
-_PARSED_KEPT = 64
-_PARSED_LOCK = threading.Lock()
+# The parse cache is functools.lru_cache, as wmo_trio.file_cache's is: its bookkeeping is
+# thread-safe; it keeps no exception, so a refusal is said again to the next caller; two
+# threads that miss together may both parse, which costs time only (a document is immutable
+# and equal ones are interchangeable). A key is a document's JSON text, so what is kept is
+# bounded in number here and in size by MAX_DOCUMENT_BYTES (a mapping whose text is larger
+# is parsed every time, not kept).
+_KEPT = 64
 
 
-def _parsed_once(text: str, parse: Callable[[], HarnessDoc]) -> HarnessDoc:
-    """The document of this JSON text, parsed once while it is among the last 64 asked for
-    (a document is immutable, so every caller may share it; a failure is not kept)."""
-    with _PARSED_LOCK:
-        doc = _PARSED.get(text)
-    if doc is not None:
-        return doc
-    doc = parse()
-    with _PARSED_LOCK:
-        _PARSED[text] = doc
-        while len(_PARSED) > _PARSED_KEPT:
-            _PARSED.popitem(last=False)
-    return doc
+@functools.lru_cache(maxsize=_KEPT)
+def _document_of_text(text: str, source: str) -> HarnessDoc:
+    return parse_harness_json(text, source=source)
+
+
+@functools.lru_cache(maxsize=_KEPT)
+def _document_of_fields(canonical: str, source: str) -> HarnessDoc:
+    # Built from the canonical text's own data, so that the document is a function of the key.
+    return parse_harness(json.loads(canonical), source=source)
 
 
 def _expand_user(path: str | os.PathLike[str]) -> Path:
@@ -93,12 +92,11 @@ def harness_from(value: object, *, source: str = "the document") -> HarnessDoc:
             canonical = json.dumps(fields, sort_keys=True, allow_nan=False)
         except (TypeError, ValueError, RecursionError):
             canonical = None  # not JSON data: parse_harness says what is wrong with it
-        if canonical is None:
+        if canonical is None or len(canonical) > MAX_DOCUMENT_BYTES:
             return parse_harness(dict(fields), source=source)
-        return _parsed_once(canonical, lambda: parse_harness(dict(fields), source=source))
+        return _document_of_fields(canonical, source)
     if form is DocumentForm.JSON_TEXT:
-        text = cast(str, value)
-        return _parsed_once(text, lambda: parse_harness_json(text, source=f"{source} (JSON text)"))
+        return _document_of_text(cast(str, value), f"{source} (JSON text)")
     if isinstance(value, str):
         try:
             return parse_file_once(_expand_user(value.strip()), load_harness)
