@@ -29,9 +29,11 @@ from wmo_trio.harness import (
     MAX_NESTING,
     MAX_NUMBER_DIGITS,
     MAX_SURFACES,
+    DocumentForm,
     HarnessDoc,
     HarnessError,
     Surface,
+    document_form,
     harness_from,
     load_harness,
     parse_harness,
@@ -612,6 +614,37 @@ def test_any_json_like_value_gives_a_document_or_one_harness_error(value: Any) -
 
 
 # -- one entry for every form of document: harness_from, and the harbor agent -----------------
+
+
+@pytest.mark.parametrize(("value", "form"), [
+    (parse_harness(doc()), DocumentForm.DOCUMENT),
+    (doc(), DocumentForm.MAPPING),
+    (json.dumps(doc()), DocumentForm.JSON_TEXT),
+    ("\n  " + json.dumps(doc()), DocumentForm.JSON_TEXT),
+    ("{not even json", DocumentForm.JSON_TEXT),
+    ("docs/harness.json", DocumentForm.PATH),
+    ("./{odd}.json", DocumentForm.PATH),
+    ("", DocumentForm.PATH),
+    (Path("{odd}.json"), DocumentForm.PATH),
+    (b"{}", None),
+    (5, None),
+    (None, None),
+])
+def test_one_rule_says_what_names_a_document(value: object, form: DocumentForm | None) -> None:
+    # A str is JSON text exactly when it starts with '{' after white space; a Path is a path.
+    assert document_form(value) is form
+
+
+def test_a_file_whose_name_starts_with_a_brace_is_named_by_a_path_or_a_directory_in_front(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    example = load_harness(EXAMPLE)
+    write(tmp_path, "{odd}.json", EXAMPLE.read_text())
+    monkeypatch.chdir(tmp_path)
+    assert harness_from(Path("{odd}.json")) == example
+    assert harness_from("./{odd}.json") == example
+    with pytest.raises(HarnessError, match=r"^the document \(JSON text\) is not JSON"):
+        harness_from("{odd}.json")
 
 
 def test_harness_from_takes_a_document_a_mapping_json_text_or_a_path(tmp_path: Path) -> None:
