@@ -29,9 +29,11 @@ from wmo_trio.harness import (
     MAX_NESTING,
     MAX_NUMBER_DIGITS,
     MAX_SURFACES,
+    DocumentForm,
     HarnessDoc,
     HarnessError,
     Surface,
+    document_form,
     harness_from,
     load_harness,
     parse_harness,
@@ -614,6 +616,37 @@ def test_any_json_like_value_gives_a_document_or_one_harness_error(value: Any) -
 # -- one entry for every form of document: harness_from, and the harbor agent -----------------
 
 
+@pytest.mark.parametrize(("value", "form"), [
+    (parse_harness(doc()), DocumentForm.DOCUMENT),
+    (doc(), DocumentForm.MAPPING),
+    (json.dumps(doc()), DocumentForm.JSON_TEXT),
+    ("\n  " + json.dumps(doc()), DocumentForm.JSON_TEXT),
+    ("{not even json", DocumentForm.JSON_TEXT),
+    ("docs/harness.json", DocumentForm.PATH),
+    ("./{odd}.json", DocumentForm.PATH),
+    ("", DocumentForm.PATH),
+    (Path("{odd}.json"), DocumentForm.PATH),
+    (b"{}", None),
+    (5, None),
+    (None, None),
+])
+def test_one_rule_says_what_names_a_document(value: object, form: DocumentForm | None) -> None:
+    # A str is JSON text exactly when it starts with '{' after white space; a Path is a path.
+    assert document_form(value) is form
+
+
+def test_a_file_whose_name_starts_with_a_brace_is_named_by_a_path_or_a_directory_in_front(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    example = load_harness(EXAMPLE)
+    write(tmp_path, "{odd}.json", EXAMPLE.read_text())
+    monkeypatch.chdir(tmp_path)
+    assert harness_from(Path("{odd}.json")) == example
+    assert harness_from("./{odd}.json") == example
+    with pytest.raises(HarnessError, match=r"^the document \(JSON text\) is not JSON"):
+        harness_from("{odd}.json")
+
+
 def test_harness_from_takes_a_document_a_mapping_json_text_or_a_path(tmp_path: Path) -> None:
     example = load_harness(EXAMPLE)
     text = EXAMPLE.read_text()
@@ -640,6 +673,31 @@ def test_harness_from_parses_one_content_once_and_a_changed_content_anew() -> No
     for _ in range(2):  # a refusal is not remembered as a document
         with pytest.raises(HarnessError):
             harness_from(broken)
+
+
+def test_harness_from_reads_a_path_once_per_version_of_its_file(tmp_path: Path) -> None:
+    text = EXAMPLE.read_text()
+    path = write(tmp_path, "doc.json", text)
+    first = harness_from(path)
+    assert harness_from(str(path)) is first and harness_from(path) is first
+    data = json.loads(text)
+    data["surfaces"][0]["content"] += " Be brief."
+    path.write_text(json.dumps(data))
+    os.utime(path, ns=(1, 1))  # a new version even where the clock is coarse
+    rewritten = harness_from(path)
+    assert rewritten is not first and rewritten.doc_hash != first.doc_hash
+    assert harness_from(path) is rewritten
+
+
+def test_a_mapping_larger_than_a_document_file_may_be_is_parsed_but_not_kept() -> None:
+    # Its canonical text would be the key: over MAX_DOCUMENT_BYTES, nothing that large is kept.
+    surfaces = [surface(f"prompt:p{i}", "x" * (MAX_CONTENT_CHARS - 1))
+                for i in range(MAX_DOCUMENT_BYTES // MAX_CONTENT_CHARS + 1)]
+    big = {"name": "big", "surfaces": surfaces}
+    assert harness_from(big) is not harness_from(big)
+    assert harness_from(big) == harness_from(big)
+    small = doc()
+    assert harness_from(small) is harness_from(small)
 
 
 def test_the_agent_reads_its_model_name_as_a_provider_and_model_without_litellm(

@@ -215,3 +215,19 @@ def test_the_research_example_runs_its_hundred_episodes() -> None:
                                capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr
     assert "checked correct: 100/100; traces written: 100/100" in completed.stdout
+
+
+async def test_a_pool_names_a_document_by_the_harness_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # JSON text is the document, not a file's name; a Path of the same characters is that
+    # file (here an invalid document), never the text's document remembered for it.
+    text = json.dumps(DOC)
+    (tmp_path / text).write_text(json.dumps({"name": "file", "surfaces": []}))
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path)
+    async with wmo_trio.open_episode_pool(limit=1) as pool:
+        result = await pool.run(text, OFFLINE, HELLO, LocalProcessEnvironment(tmp_path / "work"))
+        assert result.stop_reason is StopReason.SUBMITTED
+        with pytest.raises(HarnessError, match="needs at least one prompt surface"):
+            await pool.run(Path(text), OFFLINE, HELLO, LocalProcessEnvironment(tmp_path / "work"))

@@ -5,8 +5,7 @@ trial, so that no trial reads them on harbor's event loop.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,15 @@ from typing import Any
 # Distinct file versions kept; a research loop that rewrites one file thousands of times
 # must not grow the process without bound.
 _KEPT = 64
-_lock = threading.Lock()
-_parsed: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+
+
+# functools.lru_cache is the cache: its bookkeeping is thread-safe, it keeps no exception
+# (a failure is said again to the next caller), and two threads that miss together may both
+# parse, which costs time only. The file's version is part of the key, read by a `stat`
+# before the call, so a rewritten file is a new entry and the old one ages out.
+@functools.lru_cache(maxsize=_KEPT)
+def _parsed(parse: Callable[[Path], Any], path: Path, version: tuple[int, ...]) -> Any:
+    return parse(path)
 
 
 def parse_file_once[T](path: Path, parse: Callable[[Path], T]) -> T:
@@ -26,15 +32,5 @@ def parse_file_once[T](path: Path, parse: Callable[[Path], T]) -> T:
         stat = path.stat()
     except (OSError, ValueError):  # missing, or not a path the system can take
         return parse(path)  # let the parser say what is wrong, in its own words
-    key = (parse, str(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
-    with _lock:
-        if key in _parsed:
-            _parsed.move_to_end(key)
-            cached: T = _parsed[key]
-            return cached
-    value = parse(path)
-    with _lock:
-        _parsed[key] = value
-        while len(_parsed) > _KEPT:
-            _parsed.popitem(last=False)
+    value: T = _parsed(parse, path, (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns))
     return value

@@ -43,7 +43,7 @@ from wmo_trio.episode.environment import (
 )
 from wmo_trio.episode.runtime import Runtime, RuntimeEpisode
 from wmo_trio.episode.tools import decode_output
-from wmo_trio.harness import HarnessDoc, load_harness, parse_harness
+from wmo_trio.harness import HarnessDoc, harness_from
 from wmo_trio.models import RunResult
 from wmo_trio.providers import Provider, ProviderConfig, build_provider
 from wmo_trio.settings import (
@@ -146,6 +146,8 @@ class _TrioEnvironmentAdapter(ShellEnvironment):
 @dataclass
 class EpisodeSpec:
     """One episode to run: what `EpisodePool.run` takes, as data for fan-out.
+    `doc` names a document as the harbor agent's `harness` argument does
+    (`wmo_trio.harness.document_form`: a document, a mapping, JSON text or a path);
     `episode_timeout` and `context_window` follow the harbor agent's rules
     (`wmo_trio.settings.EpisodeSettings`); `backend` is the harbor agent's
     `harness_backend` (None: `sandbox` for a `code:runtime` document where this machine
@@ -207,11 +209,12 @@ class _Resolved:
     async def doc(self, value: HarnessDoc | Mapping[str, Any] | str | Path) -> HarnessDoc:
         if isinstance(value, HarnessDoc):
             return value
-        # A path is read once; a mapping is parsed once per object.
-        key = str(value) if isinstance(value, str | Path) else id(value)
+        # A path or a JSON text is read once; a mapping is parsed once per object. A str and
+        # a Path of the same characters may name different documents (harness_from's rule).
+        key = value if isinstance(value, str | Path) else id(value)
         known = self._docs.get(key)
         if known is None or (not isinstance(key, str) and known[0] is not value):
-            parsed = await trio.to_thread.run_sync(_as_doc, value)
+            parsed = await trio.to_thread.run_sync(harness_from, value)
             known = self._docs[key] = (value, parsed)
         return known[1]
 
@@ -260,14 +263,6 @@ def _prepared_provider(config: dict[str, Any]) -> Provider:
         provider.close()
         raise
     return provider
-
-
-def _as_doc(doc: HarnessDoc | Mapping[str, Any] | str | Path) -> HarnessDoc:
-    if isinstance(doc, HarnessDoc):
-        return doc
-    if isinstance(doc, str | Path):
-        return load_harness(doc)
-    return parse_harness(dict(doc))
 
 
 class EpisodePool:

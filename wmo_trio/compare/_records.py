@@ -28,6 +28,8 @@ from pydantic import (
     ValidationError,
 )
 
+from wmo_trio.harness import DocumentForm, document_form
+
 if TYPE_CHECKING:
     from wmo_trio.harness import HarnessDoc
     from wmo_trio.models import RunResult
@@ -227,13 +229,14 @@ def _trace_doc_hash(trial_dir: Path) -> str | None:
 
 def _harness_label(harness: Any) -> str:
     """What the user called the document: its file's name, or a JSON document's `name`."""
-    if isinstance(harness, str) and harness.lstrip().startswith("{"):
+    form = document_form(harness)
+    if form is DocumentForm.JSON_TEXT:
         try:
             harness = json.loads(harness)
         except ValueError:
             return "wmo-harness"
     if isinstance(harness, Mapping):
         return str(harness.get("name") or "wmo-harness")
-    if isinstance(harness, str) and harness:
+    if form is DocumentForm.PATH and harness:
         return Path(harness).stem
     return "wmo-harness"
