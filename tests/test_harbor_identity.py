@@ -158,6 +158,26 @@ def test_a_resumed_job_whose_document_changed_is_refused_in_one_line(tmp_path: P
     assert trace_doc_hashes(job) == [load_harness(HARNESS).doc_hash] * 2
 
 
+@pytest.mark.harbor
+def test_a_run_into_the_directory_of_a_job_of_another_document_is_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    # harbor resumes a job whose directory exists: a changed document must not join it.
+    task = versioned_task(tmp_path / "tasks")
+    harness = tmp_path / "h.json"
+    harness.write_text(HARNESS.read_text())
+    completed = harbor_run(task, tmp_path / "jobs", "job", harness)
+    assert completed.returncode == 0, output_of(completed)[-3000:]
+    with_changed_prompt(harness)
+
+    completed = harbor_run(task, tmp_path / "jobs", "job", harness)
+    text = one_line(completed)
+    assert completed.returncode != 0, text[-3000:]
+    assert len(output_of(completed).splitlines()) <= 10, output_of(completed)
+    assert load_harness(harness).doc_hash in text and "another --job-name" in text, text
+    assert trace_doc_hashes(tmp_path / "jobs" / "job") == [load_harness(HARNESS).doc_hash]
+
+
 # -- 2 and 3. argument errors before the job -------------------------------------------
 
 

@@ -229,7 +229,7 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         _no_agent_environment(env)
         arguments = cls.parse_options(kwargs, env)
         _provider_for(arguments, None, check_model_name=False)
-        pin_document(kwargs, arguments.harness.doc_hash)
+        pin_document(kwargs, arguments.harness.doc_hash, WmoTrioHarborAgent)
 
     @classmethod
     def check_model_credentials(cls, connection: Any, *, kwargs: dict[str, Any],

@@ -11,7 +11,8 @@ when a harbor release moves what it relies on):
 - `pin_document`: the agent's preflight writes the document's `doc_hash` into the agent
   configuration harbor is checking, so the job's and every trial's `config.json` and
   `lock.json` record which document ran, and a resumed job's preflight sees the one it
-  started with.
+  started with; a `harbor run` into the directory of a job that ran another document is
+  refused there too.
 - `record_identity_in_locks`: a trial lock of this agent records the document's
   `doc_hash` in place of the `harness` argument, so the same document given as another
   path, or as reformatted JSON, is the same candidate, and a changed one is another.
@@ -32,6 +33,7 @@ from typing import Any
 import harbor.models.job.lock as _lock_module
 import harbor.trial.trial as _trial_module
 from harbor.agents.factory import AgentFactory
+from harbor.models.job.config import JobConfig
 from harbor.models.trial.config import AgentConfig, TrialConfig
 from harbor.trial.regrade import local_task_name
 
@@ -43,11 +45,15 @@ HARNESS = "harness"
 _MAX_TRIAL_CONFIG_BYTES = 1 << 20
 
 
-def pin_document(kwargs: Mapping[str, Any] | None, doc_hash: str) -> bool:
+def pin_document(kwargs: Mapping[str, Any] | None, doc_hash: str,
+                 agent_class: type) -> bool:
     """From an agent's `preflight`: add `doc_hash` to the keyword arguments of the agent
     configuration harbor's `AgentFactory.run_preflight` is checking (the frame that called
     the agent), so everything harbor records from that configuration names the document.
-    False when the caller is not harbor's preflight (nothing to pin)."""
+    False when the caller is not harbor's preflight (nothing to pin).
+
+    A `ValueError` when the job's directory already holds a job of `agent_class` that ran
+    another document: harbor would resume it, mixing two candidates' trials."""
     code = AgentFactory.run_preflight.__func__.__code__
     frame = sys._getframe(1)
     for _ in range(6):  # the agent's preflight, its super() calls, then harbor's
@@ -58,11 +64,43 @@ def pin_document(kwargs: Mapping[str, Any] | None, doc_hash: str) -> bool:
             # The same configuration: harbor hands the agent a copy of its kwargs.
             if (isinstance(config, AgentConfig) and kwargs is not None
                     and config.kwargs.get(HARNESS) is kwargs.get(HARNESS)):
+                _refuse_another_document(frame.f_back, doc_hash, agent_class)
                 config.kwargs[DOC_HASH] = doc_hash
                 return True
             return False
         frame = frame.f_back  # type: ignore[assignment]
     return False
+
+
+def _refuse_another_document(frame: Any, doc_hash: str, agent_class: type) -> None:
+    """The job harbor's preflight is for (its caller's `config`, a `JobConfig`), checked
+    against the job directory's `config.json`, which harbor resumes when it exists."""
+    for _ in range(3):
+        if frame is None:
+            return
+        job = frame.f_locals.get("config")
+        if isinstance(job, JobConfig):
+            break
+        frame = frame.f_back
+    else:
+        return
+    recorded_path = Path(job.jobs_dir) / job.job_name / "config.json"
+    try:
+        with os.fdopen(os.open(recorded_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC),
+                       "rb") as file:
+            text = file.read(_MAX_TRIAL_CONFIG_BYTES + 1)
+        recorded = JobConfig.model_validate_json(text)
+    except Exception:  # no job there yet, or not one harbor can resume: harbor says so
+        return
+    ran = {agent.kwargs.get(DOC_HASH) for agent in recorded.agents
+           if (found := _agent_class(agent)) is not None and issubclass(found, agent_class)}
+    ran.discard(None)
+    if ran and doc_hash not in ran:
+        raise ValueError(
+            f"{recorded_path.parent} holds a job that ran document {', '.join(sorted(ran))}; "
+            f"harness is now document {doc_hash}, and harbor would resume that job with it, "
+            "mixing two candidates' trials: restore that document, or run this one as a "
+            "new job (another --job-name)")
 
 
 LockIdentity = Callable[[type, Mapping[str, Any]], str | None]
