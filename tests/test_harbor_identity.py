@@ -178,6 +178,30 @@ def test_a_run_into_the_directory_of_a_job_of_another_document_is_refused_in_one
     assert trace_doc_hashes(tmp_path / "jobs" / "job") == [load_harness(HARNESS).doc_hash]
 
 
+@pytest.mark.harbor
+def test_a_regraded_trial_keeps_the_document_that_produced_it(tmp_path: Path) -> None:
+    # A regrade runs only the verifier on the recorded trial: its lock must name the
+    # document that trial ran, not whatever the file holds now, or a later --diff would
+    # credit the file's new document with it.
+    task = versioned_task(tmp_path / "tasks")
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text().replace("[verifier]\n", '[verifier]\nenvironment_mode = "separate"\n'))
+    (task / "tests" / "test.sh").write_text("#!/bin/sh\nmkdir -p /logs/verifier\n"
+                                           "echo 1 > /logs/verifier/reward.txt\n")
+    harness = tmp_path / "h.json"
+    harness.write_text(HARNESS.read_text())
+    completed = harbor_run(task, tmp_path / "jobs", "source", harness)
+    assert completed.returncode == 0, output_of(completed)[-3000:]
+    with_changed_prompt(harness)
+
+    completed = harbor("jobs", "regrade", str(tmp_path / "jobs" / "source"), "-p", str(task),
+                       "-e", LOCAL_ENVIRONMENT, "-o", str(tmp_path / "jobs"),
+                       "--job-name", "regraded", "-y")
+    assert completed.returncode == 0, output_of(completed)[-3000:]
+    [lock] = (tmp_path / "jobs" / "regraded").glob("*/lock.json")
+    assert json.loads(lock.read_text())["agent"]["kwargs"]["doc_hash"] == load_harness(HARNESS).doc_hash
+
+
 # -- 2 and 3. argument errors before the job -------------------------------------------
 
 

@@ -126,8 +126,13 @@ def _with_identity(original: Callable[..., Any], document_hash: LockIdentity) ->
         if agent_class is None or HARNESS not in agent.kwargs:
             return lock
         # The document as it is now, not a pin that may be stale (the agent's preflight
-        # refuses a pin the document does not match); the pin when it cannot be read.
-        doc_hash = document_hash(agent_class, agent.kwargs) or agent.kwargs.get(DOC_HASH)
+        # refuses a pin the document does not match); the pin when it cannot be read. A
+        # regrade runs no agent: its trial is the recorded one's, and so is the document.
+        pinned = agent.kwargs.get(DOC_HASH)
+        if lock.source_trial is not None and pinned is not None:
+            doc_hash = pinned
+        else:
+            doc_hash = document_hash(agent_class, agent.kwargs) or pinned
         if doc_hash is None:
             return lock
         identity = {name: value for name, value in agent.kwargs.items() if name != HARNESS}
