@@ -33,7 +33,7 @@ from wmo_trio.harness import parse_harness
 from wmo_trio.models import RunResult, StopReason
 from wmo_trio.providers import ProviderConfig
 from wmo_trio.providers.scripted import ScriptedProvider, load_script
-from wmo_trio.trace import CANCELLED_BY_CALLER, trace_for, write_trace
+from wmo_trio.trace import CANCELLED_BY_CALLER, TraceIdentity, trace_for, write_trace
 
 IMPLS = ("baseline", "thread", "guest", "trio-asyncio")
 DOC = parse_harness({"name": "bench", "surfaces": [
@@ -122,7 +122,8 @@ class BenchEpisode:
         if self.trace_dir is not None:
             log = self.runtime.log if self.runtime else None
             write_trace(self.trace_dir, trace_for(
-                "bench", result, cancelled=CANCELLED_BY_CALLER if cancelled else None, log=log))
+                TraceIdentity(task_id="bench"), result,
+                cancelled=CANCELLED_BY_CALLER if cancelled else None, log=log))
 
 
 def _host(impl: str) -> Any:

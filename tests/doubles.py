@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from wmo_trio.harness import HarnessDoc, parse_harness
+from wmo_trio.models import Step
 from wmo_trio.providers import CallControl, ProviderConfig, ProviderRequest, ProviderResponse
 from wmo_trio.providers.scripted import ScriptedProvider, load_script
 
@@ -70,3 +71,8 @@ class RecordingControl(CallControl):
         self.sleeps.append(seconds)
         self.sleeping.set()
         return super().sleep(seconds)
+
+
+def untimed(steps: list[Step]) -> list[Step]:
+    """`steps` without when they ran, to compare what two runs did."""
+    return [step.model_copy(update={"started_at": None, "duration_s": None}) for step in steps]

@@ -17,7 +17,7 @@ import anthropic_server as api
 import pytest
 import trio
 from anthropic_server import AnthropicServer
-from doubles import RecordingControl
+from doubles import RecordingControl, untimed
 
 from wmo_trio.episode.environment import LocalDirEnvironment
 from wmo_trio.episode.runtime import EpisodeRuntime
@@ -733,7 +733,7 @@ def test_a_recorded_episode_replays_the_same(anthropic_server: AnthropicServer,
     finally:
         replayer.close()
     assert (tmp_path / "replay" / "greeting.txt").read_text() == "hello"
-    assert replayed.steps == recorded.steps
+    assert untimed(replayed.steps) == untimed(recorded.steps)
     assert (replayed.stop_reason, replayed.answer) == (recorded.stop_reason, recorded.answer)
     assert replayed.worker_usage == recorded.worker_usage
     assert [step.observation.is_error for step in recorded.steps] == [True, False, False]

@@ -51,8 +51,8 @@ import wmo_trio.trace
 from wmo_trio.engine import LoopServingHost
 from wmo_trio.episode.tools import MAX_OBSERVATION_CHARS
 from wmo_trio.harbor._agent import HarborEpisode
-from wmo_trio.models import RunResult, StopReason
-from wmo_trio.trace import CANCELLED_BY_HARBOR_TIMEOUT, TRACE_FILENAME, PartialTrace, Trace
+from wmo_trio.models import StopReason
+from wmo_trio.trace import CANCELLED_BY_HARBOR_TIMEOUT, TRACE_FILENAME, FinishedTrace, PartialTrace, Trace
 
 ROOT = Path(__file__).resolve().parent.parent
 # Far longer than any fault here takes to be handled; only a hang gets near it.
@@ -228,7 +228,7 @@ def test_an_exec_that_raises_is_an_error_observation_and_the_episode_goes_on(
     outcome = single(tmp_path, [bash("fails"), bash("echo after"), submit("ok")], environment)
     assert outcome.ending == "returned", repr(outcome.error)
     trace = one_trace(tmp_path, writes, outcome)
-    assert isinstance(trace, RunResult) and trace.stop_reason is StopReason.SUBMITTED
+    assert isinstance(trace, FinishedTrace) and trace.stop_reason is StopReason.SUBMITTED
     failed, after = env_steps(trace)
     assert failed.observation.is_error
     assert failed.observation.content.startswith("environment command failed: ")
@@ -356,7 +356,7 @@ def test_a_storm_of_retryable_errors_is_ridden_out_by_the_retry_policy(
     outcome = drive(lambda: run_trial(agent, INSTRUCTION, environment, 60))
     assert outcome.ending == "returned", repr(outcome.error)
     trace = one_trace(tmp_path, writes, outcome)
-    assert isinstance(trace, RunResult) and trace.stop_reason is StopReason.SUBMITTED
+    assert isinstance(trace, FinishedTrace) and trace.stop_reason is StopReason.SUBMITTED
     assert trace.answer == "ok"
     provider = agent.provider.inner  # RetryingProvider -> FaultyProvider
     assert provider.attempts == {0: 5, 1: 5, 2: 5}  # 4 failures then the reply, every turn
@@ -374,7 +374,7 @@ def test_errors_beyond_the_retry_budget_end_the_episode_as_provider_error(
     outcome = single(tmp_path, script, FakeEnvironment(), retry={"max_attempts": 3, "base_delay_s": 0.001})
     assert outcome.ending == "returned", repr(outcome.error)
     trace = one_trace(tmp_path, writes, outcome)
-    assert isinstance(trace, RunResult) and trace.stop_reason is StopReason.PROVIDER_ERROR
+    assert isinstance(trace, FinishedTrace) and trace.stop_reason is StopReason.PROVIDER_ERROR
     last = trace.steps[-1]
     assert last.observation.is_error
     assert last.observation.content == f"provider error: ProviderError: {kind}: down"
@@ -390,7 +390,7 @@ def test_an_exception_type_nobody_expected_from_the_provider_ends_as_provider_er
     outcome = single(tmp_path, script, FakeEnvironment())
     assert outcome.ending == "returned", repr(outcome.error)
     trace = one_trace(tmp_path, writes, outcome)
-    assert isinstance(trace, RunResult) and trace.stop_reason is StopReason.PROVIDER_ERROR
+    assert isinstance(trace, FinishedTrace) and trace.stop_reason is StopReason.PROVIDER_ERROR
     assert trace.steps[-1].observation.content == "provider failed: ScriptedFailure: what is this"
 
 
@@ -404,7 +404,7 @@ def test_malformed_tool_calls_are_nudged_then_end_the_episode(
     outcome = single(tmp_path, [malformed, malformed, malformed, submit()], environment)
     assert outcome.ending == "returned", repr(outcome.error)
     trace = one_trace(tmp_path, writes, outcome)
-    assert isinstance(trace, RunResult) and trace.stop_reason is StopReason.UNPARSED_TOOL_CALL
+    assert isinstance(trace, FinishedTrace) and trace.stop_reason is StopReason.UNPARSED_TOOL_CALL
     assert environment.calls == []
     assert [s.observation.is_error for s in trace.steps] == [True, True, True]
 
@@ -414,7 +414,7 @@ def test_a_malformed_tool_call_is_nudged_and_the_episode_recovers(tmp_path: Path
     malformed = {"text": "oops", "tool_calls": [{"name": "bash", "arguments": "{oops"}]}
     outcome = single(tmp_path, [malformed, bash("echo ok"), submit("fine")], FakeEnvironment())
     trace = one_trace(tmp_path, writes, outcome)
-    assert isinstance(trace, RunResult) and trace.stop_reason is StopReason.SUBMITTED
+    assert isinstance(trace, FinishedTrace) and trace.stop_reason is StopReason.SUBMITTED
     assert trace.steps[0].observation.is_error and "could not be parsed" in trace.steps[0].observation.content
 
 
@@ -438,7 +438,7 @@ def test_tool_calls_with_arguments_of_the_wrong_type_get_an_error_observation(
     outcome = single(tmp_path, [{"tool_calls": [call(tool, **arguments)]}, submit()], environment)
     assert outcome.ending == "returned", repr(outcome.error)
     trace = one_trace(tmp_path, writes, outcome)
-    assert isinstance(trace, RunResult) and trace.stop_reason is StopReason.SUBMITTED
+    assert isinstance(trace, FinishedTrace) and trace.stop_reason is StopReason.SUBMITTED
     wrong = trace.steps[0]
     assert wrong.observation.is_error
     assert wrong.observation.content == f"invalid {tool} arguments: {problem}"
@@ -543,7 +543,7 @@ def test_timeout_during_cleanup_waits_for_cleanup_and_keeps_the_full_result(
     assert outcome.returned_at - fired < 1.0 + PROMPT_S
     trace = one_trace(tmp_path, writes, outcome)
     # the worker had finished on its own before harbor's timeout: its full result stands
-    assert isinstance(trace, RunResult) and trace.stop_reason is StopReason.SUBMITTED
+    assert isinstance(trace, FinishedTrace) and trace.stop_reason is StopReason.SUBMITTED
     assert trace.answer == "answer"
     assert provider.closes == 1
     assert counts.of(trace.task_id) == {"run": 1, "close": 1, "record": 1}
@@ -750,7 +750,7 @@ def test_a_failing_close_is_logged_and_the_outcome_stands(
                      settings={"close_error": True})
     assert outcome.ending == "returned", repr(outcome.error)
     trace = one_trace(tmp_path, writes, outcome)
-    assert isinstance(trace, RunResult) and trace.stop_reason is StopReason.SUBMITTED
+    assert isinstance(trace, FinishedTrace) and trace.stop_reason is StopReason.SUBMITTED
     assert trace.answer == "kept"
     assert "closing an episode failed" in caplog.text
     assert "injected failure to close the provider" in caplog.text
@@ -780,7 +780,7 @@ def test_a_10_mb_instruction_runs_and_its_usage_is_estimated(tmp_path: Path,
                      timeout_sec=120)
     assert outcome.ending == "returned", repr(outcome.error)
     trace = one_trace(tmp_path, writes, outcome)
-    assert isinstance(trace, RunResult) and trace.stop_reason is StopReason.SUBMITTED
+    assert isinstance(trace, FinishedTrace) and trace.stop_reason is StopReason.SUBMITTED
     usage = trace.worker_usage
     assert usage is not None and usage.calls == 2
     # each of the two calls sent the instruction: about a token per four characters
@@ -833,7 +833,7 @@ def test_awkward_paths_round_trip_through_the_adapter_and_a_real_shell(
     outcome = single(logs, script, BashEnvironment(workdir))
     assert outcome.ending == "returned", repr(outcome.error)
     trace = one_trace(logs, writes, outcome)
-    assert isinstance(trace, RunResult) and trace.stop_reason is StopReason.SUBMITTED
+    assert isinstance(trace, FinishedTrace) and trace.stop_reason is StopReason.SUBMITTED
     steps = env_steps(trace)
     writes_, reads, odd = steps[: len(AWKWARD_PATHS) + 1], steps[len(AWKWARD_PATHS) + 1: -4], steps[-4:]
     for step in writes_:

@@ -15,6 +15,7 @@ imported in subprocesses, never in the pytest process.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -28,7 +29,7 @@ import textwrap
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -38,8 +39,15 @@ from harbor.models.trajectories import Trajectory
 
 from wmo_trio.harbor import AGENT_NAME, WmoTrioHarborAgent
 from wmo_trio.harness import load_harness
-from wmo_trio.models import ActionKind, RunResult
-from wmo_trio.trace import CANCELLED_BY_HARBOR, CANCELLED_BY_HARBOR_TIMEOUT, PartialTrace, Trace, parse_trace
+from wmo_trio.models import ActionKind
+from wmo_trio.trace import (
+    CANCELLED_BY_HARBOR,
+    CANCELLED_BY_HARBOR_TIMEOUT,
+    FinishedTrace,
+    PartialTrace,
+    Trace,
+    parse_trace,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = REPO / "examples" / "harness.json"
@@ -261,14 +269,50 @@ def test_harbor_cli_trials_each_leave_a_valid_trace_and_atif_trajectory(
     for trial in example_job:
         trace = trial.trace  # parse_trace validates it against the contract's schema
         trajectory = trial.trajectory()
-        assert trace.task_id == trial.result["id"], trial.describe()  # harbor's context_id
         assert trajectory.agent.name == AGENT_NAME
         if trial.task == "proof-of-work":
             assert isinstance(trace, PartialTrace)
             assert trace.stop_reason == CANCELLED_BY_HARBOR_TIMEOUT
         else:
-            assert isinstance(trace, RunResult)
+            assert isinstance(trace, FinishedTrace)
             assert trace.stop_reason == "submitted"
+
+
+def assert_trace_names_its_trial(trial: TrialRecord) -> None:
+    """The trace says which trial it is, in harbor's own terms: each name means what it
+    means in harbor's `result.json`; the times are UTC, inside the agent's phase."""
+    trace, result = trial.trace, trial.result
+    assert trace.task_id == result["task_id"], trial.describe()  # a task, as harbor names it
+    assert trace.trial_id == result["id"]
+    assert (trace.task_name, trace.trial_name) == (result["task_name"], result["trial_name"])
+    assert trace.doc_hash == load_harness(HARNESS).doc_hash
+    assert trace.model == result["config"]["agent"]["model_name"]
+    assert trace.started_at is not None and trace.ended_at is not None
+    assert trace.started_at.utcoffset() == trace.ended_at.utcoffset() == timedelta(0)
+    agent_started, agent_ended = trial.phase_seconds("agent_execution")
+    assert agent_started <= trace.started_at.timestamp() <= trace.ended_at.timestamp()
+    # harbor stamps the phase's end after the agent's cancellation has run its course.
+    assert trace.ended_at.timestamp() <= agent_ended + 1
+    previous = trace.started_at
+    for step in trace.steps:
+        assert step.started_at is not None and step.duration_s is not None
+        assert previous <= step.started_at <= trace.ended_at
+        previous = step.started_at
+    stamps = [step.timestamp for step in trial.trajectory().steps]
+    assert all(stamps), stamps
+    moments = [datetime.fromisoformat(stamp) for stamp in stamps if stamp]
+    assert moments == sorted(moments) and moments[0] == trace.started_at
+
+
+@pytest.mark.harbor
+def test_harbor_cli_traces_and_trajectories_name_their_trial_and_time_their_steps(
+    example_job: list[TrialRecord],
+) -> None:
+    # One finished and one timed-out (partial) trace at least: both carry the same fields.
+    assert {type(trial.trace) for trial in example_job} == {FinishedTrace, PartialTrace}
+    for trial in example_job:
+        assert trial.trace.steps, trial.describe()
+        assert_trace_names_its_trial(trial)
 
 
 @pytest.mark.harbor
@@ -423,6 +467,7 @@ def test_agent_timeout_leaves_a_partial_trace_with_the_steps_so_far_and_usage(
         assert trace.worker_usage is not None
         assert trace.worker_usage.input_tokens >= 2 * SCRIPTED_USAGE["input_tokens"]
         trial.trajectory()  # still a valid ATIF trajectory
+        assert_trace_names_its_trial(trial)
 
 
 @pytest.mark.harbor
@@ -713,7 +758,7 @@ def test_episode_exception_reaches_harbor_as_its_own_type_with_a_partial_trace(
     assert trace.turns == 2
     assert trace.worker_usage is not None and trace.worker_usage.calls == 2
     assert trial.agent_result["metadata"]["stop_reason"] == "agent-exception:EpisodeDefect"
-    trial.trajectory()
+    assert_trace_names_its_trial(trial)
 
 
 @pytest.mark.harbor
@@ -737,7 +782,7 @@ def test_cleanup_failure_never_replaces_the_episode_outcome(
 ) -> None:
     [trial] = defect_jobs["close"]
     assert (trial.reward, trial.exception_type) == (1.0, None), trial.describe()
-    assert isinstance(trial.trace, RunResult)
+    assert isinstance(trial.trace, FinishedTrace)
     assert trial.trace.stop_reason == "submitted"
     assert trial.agent_result["metadata"]["stop_reason"] == "submitted"
 
@@ -869,17 +914,43 @@ def test_boundary_values_are_accepted(tmp_path: Path) -> None:
         make_agent(tmp_path, **overrides)
 
 
-def test_unknown_kwargs_harbor_passes_do_not_break_construction(tmp_path: Path) -> None:
+def test_harbors_own_constructor_arguments_pass_through(tmp_path: Path) -> None:
+    # Whatever this harbor release's BaseAgent names is harbor's, not the agent's, and
+    # what harbor injects and drops itself (a setup timeout) passes too.
+    from harbor.agents.base import BaseAgent
+
+    harbor_arguments = [name for name in inspect.signature(BaseAgent.__init__).parameters
+                        if name not in ("self", "logs_dir", "model_name", "kwargs")]
+    assert {"logger", "mcp_servers", "skills_dir", "extra_env", "load_trajectory"} <= set(
+        harbor_arguments)
     agent = make_agent(
         tmp_path,
-        some_future_kwarg=1,
         skip_model_parsing=True,
         load_trajectory=None,
         environment_logs_dir=PurePosixPath("/logs/agent"),
         override_setup_timeout_sec=30.0,
         extra_env={},
+        mcp_servers=None,
+        skills_dir=None,
     )
     assert agent.doc.doc_hash == load_harness(HARNESS).doc_hash
+
+
+def test_an_unknown_argument_is_refused_naming_it_and_the_closest_known_one(tmp_path: Path) -> None:
+    message = refused(tmp_path, "episode_timeout", episode_timeout=60)
+    assert "did you mean episode_timeout_sec?" in message
+    assert "\n" not in message
+
+
+def test_the_agent_declares_the_readmes_arguments_as_harbors_options_model() -> None:
+    # harbor validates an agent's options_model at preflight and shows it as the agent's
+    # schema (`harbor agents schema`); the README's table lists the same arguments.
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("| argument | meaning |"):]
+    table = table[: table.index("\n\n")]
+    listed = set(re.findall(r"^\| `(\w+)` \|", table, flags=re.MULTILINE))
+    harbors_own = {"base_url", "disable_web_search", "reasoning_effort"}  # AgentOptions'
+    assert set(WmoTrioHarborAgent.options_schema()["properties"]) == listed | harbors_own
 
 
 # =======================================================================================

@@ -86,8 +86,7 @@ import wmo_trio.trace
 from wmo_trio.engine import LoopServingHost
 from wmo_trio.episode.deadlines import DEADLINES
 from wmo_trio.harbor._agent import HarborEpisode
-from wmo_trio.models import RunResult
-from wmo_trio.trace import CANCELLED_BY_HARBOR_TIMEOUT, TRACE_FILENAME, PartialTrace
+from wmo_trio.trace import CANCELLED_BY_HARBOR_TIMEOUT, TRACE_FILENAME, FinishedTrace, PartialTrace
 
 pytestmark = pytest.mark.slow  # hypothesis schedules of whole harbor-shaped jobs, and a fresh interpreter
 
@@ -419,14 +418,14 @@ def _check_trials(schedule: list[TrialPlan], outcomes: list[TrialOutcome],
             reason = str(trace.stop_reason)
             harness.stats.reasons[reason] = harness.stats.reasons.get(reason, 0) + 1
             if outcome.ending == "returned":
-                assert isinstance(trace, RunResult), where
+                assert isinstance(trace, FinishedTrace), where
                 assert outcome.context.metadata is not None, where
                 assert outcome.context.metadata["stop_reason"] == str(trace.stop_reason), where
             elif outcome.ending == "timeout":
                 # cancelled while running, or while cleaning up after finishing on its own: a
                 # result, or the defect its worker raised just before harbor's timeout came
                 # (the trace says how the episode ended; harbor's run() says it timed out)
-                ended_alone = isinstance(trace, RunResult) or (
+                ended_alone = isinstance(trace, FinishedTrace) or (
                     plan.ending == "base-exception"
                     and trace.stop_reason == "agent-exception:WorkerDefect")
                 assert ended_alone or trace.stop_reason == CANCELLED_BY_HARBOR_TIMEOUT, where

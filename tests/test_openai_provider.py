@@ -23,7 +23,7 @@ from typing import Any
 import openai_server as api
 import pytest
 import trio
-from doubles import RecordingControl
+from doubles import RecordingControl, untimed
 from openai_server import ChatCompletionsServer
 
 from wmo_trio.episode.environment import LocalDirEnvironment
@@ -46,6 +46,7 @@ from wmo_trio.providers.base import (
 )
 from wmo_trio.providers.http import HTTPReply
 from wmo_trio.providers.openai import OpenAIProvider
+from wmo_trio.trace import FinishedTrace
 
 KEY_ENV = "WMO_TEST_OPENAI_KEY"
 FAST_RETRY = {"max_attempts": 6, "base_delay_s": 0.01, "max_delay_s": 0.05, "retry_after_cap_s": 0.05}
@@ -1079,7 +1080,7 @@ def test_a_recorded_episode_replays_the_same_through_scripted(
     finally:
         replayer.close()
     assert (tmp_path / "replay" / "greeting.txt").read_text() == "hello"
-    assert replayed.steps == recorded.steps
+    assert untimed(replayed.steps) == untimed(recorded.steps)
     assert (replayed.stop_reason, replayed.answer) == (recorded.stop_reason, recorded.answer)
     assert replayed.worker_usage == recorded.worker_usage
     assert [step.observation.is_error for step in recorded.steps] == [True, True, False, False]
@@ -1108,7 +1109,7 @@ def test_arguments_nested_too_deeply_replay_as_they_ran_live(
     assert recorded.stop_reason == "submitted"
     answered = server.bodies[1]["messages"][-2]["content"]  # the call's tool message
     assert "could not parse them (invalid JSON: nested too deeply)" in answered
-    assert replayed.steps == recorded.steps
+    assert untimed(replayed.steps) == untimed(recorded.steps)
     assert (replayed.stop_reason, replayed.worker_usage) == (recorded.stop_reason, recorded.worker_usage)
 
 
@@ -1121,7 +1122,7 @@ def test_a_replay_counts_the_calls_of_replies_without_choices(
     recorded, replayed = record_and_replay(make_built, tmp_path, retry=FAST_RETRY)
     assert recorded.worker_usage == TokenUsage(input_tokens=210, output_tokens=5, calls=2)
     assert replayed.worker_usage == recorded.worker_usage
-    assert (replayed.stop_reason, replayed.steps) == (recorded.stop_reason, recorded.steps)
+    assert (replayed.stop_reason, untimed(replayed.steps)) == (recorded.stop_reason, untimed(recorded.steps))
 
 
 def test_a_turn_that_failed_live_fails_alike_on_replay(
@@ -1134,7 +1135,7 @@ def test_a_turn_that_failed_live_fails_alike_on_replay(
     assert recorded.stop_reason == "provider_error"
     assert recorded.worker_usage is not None and recorded.worker_usage.calls == 3
     assert replayed.worker_usage == recorded.worker_usage
-    assert (replayed.stop_reason, replayed.steps) == (recorded.stop_reason, recorded.steps)
+    assert (replayed.stop_reason, untimed(replayed.steps)) == (recorded.stop_reason, untimed(recorded.steps))
 
 
 # -- the command lines -------------------------------------------------------------------
@@ -1192,7 +1193,7 @@ def test_a_harbor_cli_trial_with_openai_model_runs_against_the_server(tmp_path: 
 
     assert (trial.reward, trial.exception_type) == (1.0, None), trial.describe()
     trace = trial.trace
-    assert isinstance(trace, RunResult) and trace.stop_reason == "submitted"
+    assert isinstance(trace, FinishedTrace) and trace.stop_reason == "submitted"
     assert [step.action.name for step in trace.steps] == [None, "write_file", "bash", "submit"]
     assert trace.steps[2].observation.content.strip() == "Hello from wmo_trio"
     # Usage reaches the trace and harbor's context, the cached tokens included.

@@ -17,7 +17,7 @@ from processes import running
 import wmo_trio
 from wmo_trio import EpisodeSpec, LocalProcessEnvironment
 from wmo_trio.episode.environment import CommandResult
-from wmo_trio.harness import HarnessError
+from wmo_trio.harness import HarnessError, parse_harness
 from wmo_trio.models import StopReason
 from wmo_trio.trace import parse_trace
 
@@ -39,7 +39,14 @@ async def test_a_pool_runs_an_episode_and_writes_its_trace(tmp_path: Path) -> No
                                 task_id="hello", trace_path=tmp_path / "trace.json")
     assert result.stop_reason is StopReason.SUBMITTED and result.task_id == "hello"
     assert (tmp_path / "out/hi.txt").read_text() == "hi\n"
-    assert parse_trace((tmp_path / "trace.json").read_text()) == result
+    trace = parse_trace((tmp_path / "trace.json").read_text())
+    assert (trace.steps, trace.stop_reason, trace.answer, trace.turns, trace.worker_usage) == (
+        result.steps, result.stop_reason, result.answer, result.turns, result.worker_usage)
+    # The trace says which episode it is: the caller's id, the document, the model, when.
+    expected = ("hello", parse_harness(DOC).doc_hash, "scripted/offline")
+    assert (trace.task_id, trace.doc_hash, trace.model) == expected
+    assert trace.started_at is not None and trace.ended_at is not None
+    assert trace.started_at <= trace.steps[0].started_at <= trace.ended_at  # type: ignore[operator]
 
 
 async def test_fan_out_delivers_every_result_and_errors_as_outcomes(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from harbor.models.trajectories import Trajectory
 from wmo_trio.episode.environment import LocalDirEnvironment
 from wmo_trio.episode.runtime import EpisodeRuntime
 from wmo_trio.harbor._trajectory import TRAJECTORY_FILENAME, TrajectoryInfo, write_trajectory
-from wmo_trio.trace import trace_for
+from wmo_trio.trace import TraceIdentity, trace_for
 
 INFO = TrajectoryInfo(agent_name="wmo-harness", agent_version="0", model_name="scripted/s",
                       session_id="trial__agent", system_prompt="work", instruction="do it",
@@ -28,8 +28,8 @@ def call(name: str, **arguments: Any) -> dict[str, Any]:
 def written(script: list[dict[str, Any]], tmp_path: Path) -> Trajectory:
     runtime = EpisodeRuntime(make_doc(max_turns=3), Spy(script))
     result = outcome.capture(runtime.run, "task", "do it", LocalDirEnvironment(tmp_path))
-    write_trajectory(tmp_path, trace_for("task", result, cancelled=None, log=runtime.log), INFO,
-                     runtime.log)
+    trace = trace_for(TraceIdentity(task_id="task"), result, cancelled=None, log=runtime.log)
+    write_trajectory(tmp_path, trace, INFO, runtime.log)
     return Trajectory.model_validate(json.loads((tmp_path / TRAJECTORY_FILENAME).read_text()))
 
 

@@ -7,6 +7,7 @@ usage.
 
 from __future__ import annotations
 
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -43,8 +44,14 @@ class Observation(_Model):
 
 
 class Step(_Model):
+    """One action and its observation. `started_at` (UTC) is when the action began: the
+    end of the step or model reply before it, as an episode's actions run one after
+    another; `duration_s` is how long it took from then until it was recorded."""
+
     action: Action
     observation: Observation
+    started_at: datetime | None = None
+    duration_s: float | None = Field(default=None, ge=0)
 
 
 class StopReason(StrEnum):

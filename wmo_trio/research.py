@@ -24,6 +24,7 @@ import math
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -54,7 +55,13 @@ from wmo_trio.settings import (
     PositiveSeconds,
     checked,
 )
-from wmo_trio.trace import CANCELLED_BY_CALLER, trace_for, trace_text, write_atomically
+from wmo_trio.trace import (
+    CANCELLED_BY_CALLER,
+    TraceIdentity,
+    trace_for,
+    trace_text,
+    write_atomically,
+)
 
 __all__ = [
     "EpisodePool",
@@ -174,6 +181,7 @@ class _PoolEpisode(RuntimeEpisode):
         self.backend = backend
         # An E2B sandbox is killed over the network: that stop gets a thread of its own.
         self.stop_is_quick = backend != "e2b"
+        self.started_at = datetime.now(UTC)
 
     def start(self, control: CallControl,
               should_cancel: Callable[[], bool]) -> tuple[Runtime, Environment]:
@@ -187,7 +195,10 @@ class _PoolEpisode(RuntimeEpisode):
     def record(self, result: outcome.Outcome[RunResult], cancelled: bool) -> None:
         if self.spec.trace_path is None:
             return
-        trace = trace_for(self.task_id, result,
+        identity = TraceIdentity(task_id=self.task_id, doc_hash=self.doc.doc_hash,
+                                 model=self.provider.config.model_name,
+                                 started_at=self.started_at, ended_at=datetime.now(UTC))
+        trace = trace_for(identity, result,
                           cancelled=CANCELLED_BY_CALLER if cancelled else None, log=self.log)
         write_atomically(Path(self.spec.trace_path), trace_text(trace))
 

@@ -10,8 +10,9 @@ it got.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
@@ -39,6 +40,8 @@ class Settings(BaseModel):
     """Base of every settings model: strict, frozen, no unknown keys."""
 
     model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+    # What an unknown key is called in a message: a setting, or a caller's argument.
+    settings_noun: ClassVar[str] = "setting"
 
     @classmethod
     def parse(cls, data: Mapping[str, Any], *, where: str = "") -> Any:
@@ -86,8 +89,7 @@ def settings_problem(model: type[BaseModel], error: ValidationError) -> str:
         owner, field = _field_at(model, location)
         description = _description(field) if field is not None else None
         if item["type"] == "extra_forbidden":
-            known = ", ".join(sorted(owner.model_fields)) if owner is not None else "none"
-            problems.append(f"unknown setting {name}; known: {known}")
+            problems.append(_unknown(name, location[-1] if location else name, owner))
         elif item["type"] == "missing":
             problems.append(f"{name} is required" + (f": pass {description}" if description else ""))
         elif item["type"] == "refused":
@@ -97,6 +99,16 @@ def settings_problem(model: type[BaseModel], error: ValidationError) -> str:
         else:
             problems.append(f"{name}: {item['msg']}, got {item['input']!r}")
     return "; ".join(problems)
+
+
+def _unknown(name: str, given: str, owner: type[BaseModel] | None) -> str:
+    """An unknown name, with the known name closest to it (a misspelling is the usual
+    cause) and the others."""
+    known = sorted(owner.model_fields) if owner is not None else []
+    closest = difflib.get_close_matches(given, known, n=1, cutoff=0.6)
+    hint = f" (did you mean {closest[0]}?)" if closest else ""
+    noun = getattr(owner, "settings_noun", "setting")
+    return f"unknown {noun} {name}{hint}; known: {', '.join(known) or 'none'}"
 
 
 def _field_at(model: type[BaseModel], location: list[str]) -> tuple[type[BaseModel] | None, Any]:

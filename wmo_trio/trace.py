@@ -1,9 +1,11 @@
 """Episode traces: `wmo-run.json`, the record an optimizer learns from.
 
-A trace is written for every episode, however it ended: the full `RunResult` when the
-episode finished on its own, otherwise a `PartialTrace` holding the steps recorded so far,
-why it stopped and the usage known. Timed-out trials are the most informative failures an
-optimizer sees, so losing their transcripts is not an option. The partial stop reasons:
+A trace is written for every episode, however it ended: a `FinishedTrace` (the episode's
+`RunResult`) when it finished on its own, otherwise a `PartialTrace` holding the steps
+recorded so far, why it stopped and the usage known. Both say which episode they are
+(`TraceIdentity`): the document, the model, harbor's task and trial, when it ran.
+Timed-out trials are the most informative failures an optimizer sees, so losing their
+transcripts is not an option. The partial stop reasons:
 
 - `cancelled-by-harbor-timeout`: harbor's agent timeout cancelled the episode;
 - `cancelled-by-harbor`: harbor cancelled it for another reason (`harbor run`
@@ -21,15 +23,16 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
 import outcome
 import pydantic_core
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, NonNegativeInt
 
 from wmo_trio.episode.log import EpisodeLog
-from wmo_trio.models import RunResult, Step, TokenUsage, count_tool_steps
+from wmo_trio.models import JsonObject, RunResult, Step, StopReason, TokenUsage, count_tool_steps
 from wmo_trio.text import valid_text
 
 TRACE_FILENAME = "wmo-run.json"
@@ -38,22 +41,48 @@ CANCELLED_BY_HARBOR = "cancelled-by-harbor"
 CANCELLED_BY_CALLER = "cancelled-by-caller"
 
 
-class PartialTrace(BaseModel):
-    """What is known of an episode that did not return its own result."""
+class TraceIdentity(BaseModel):
+    """Which episode a trace is. `task_id` means what it means in harbor's `result.json`
+    (the task's id there, as harbor writes it; a caller's own id in the research API);
+    `trial_id` is harbor's trial UUID, `trial_name` and `task_name` harbor's names, `model`
+    the provider's `<kind>/<model>`, and the times are UTC. Outside harbor the trial's
+    fields are null."""
 
     model_config = ConfigDict(extra="forbid")
 
-    task_id: str
+    task_id: str | JsonObject
+    trial_id: str | None = None
+    trial_name: str | None = None
+    task_name: str | None = None
+    doc_hash: str | None = None
+    model: str | None = None
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+
+
+class _Transcript(TraceIdentity):
     steps: list[Step]
-    stop_reason: str
     answer: str = ""
-    turns: int
-    partial: Literal[True] = True
-    error: str | None = None
     worker_usage: TokenUsage | None = None
 
 
-Trace = RunResult | PartialTrace
+class FinishedTrace(_Transcript):
+    """An episode that returned its own result (`RunResult`)."""
+
+    stop_reason: StopReason
+    turns: NonNegativeInt
+
+
+class PartialTrace(_Transcript):
+    """What is known of an episode that did not return its own result."""
+
+    stop_reason: str
+    turns: int
+    partial: Literal[True] = True
+    error: str | None = None
+
+
+Trace = FinishedTrace | PartialTrace
 
 
 def parse_trace(text: str | bytes) -> Trace:
@@ -61,21 +90,25 @@ def parse_trace(text: str | bytes) -> Trace:
     data = json.loads(text)
     if isinstance(data, dict) and data.get("partial") is True:
         return PartialTrace.model_validate(data)
-    return RunResult.model_validate(data)
+    return FinishedTrace.model_validate(data)
 
 
 def trace_for(
-    task_id: str,
+    identity: TraceIdentity,
     result: outcome.Outcome[RunResult] | None,
     *,
     cancelled: str | None,
     log: EpisodeLog | None,
 ) -> Trace:
-    """The trace of an episode: its own result, or the partial record of one that raised or
-    whose caller was cancelled; `cancelled` is then the stop reason that says by whom."""
+    """The trace of an episode, named by `identity`: its own result, or the partial record
+    of one that raised or whose caller was cancelled; `cancelled` is then the stop reason
+    that says by whom."""
+    named = identity.model_dump()
     if isinstance(result, outcome.Value) and cancelled is None:
         finished: RunResult = result.value
-        return finished
+        return FinishedTrace(**named, steps=finished.steps, stop_reason=finished.stop_reason,
+                             answer=finished.answer, turns=finished.turns,
+                             worker_usage=finished.worker_usage)
     error = result.error if isinstance(result, outcome.Error) else None
     if isinstance(result, outcome.Value):
         steps, usage = result.value.steps, result.value.worker_usage
@@ -83,7 +116,7 @@ def trace_for(
         steps = log.steps() if log is not None else []
         usage = log.usage() if log is not None else getattr(error, "usage", None)
     return PartialTrace(
-        task_id=task_id,
+        **named,
         steps=steps,
         stop_reason=cancelled or (CANCELLED_BY_CALLER if error is None
                                   else f"agent-exception:{type(error).__name__}"),

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 from wmo_trio.models import Action, Observation, Step, TokenUsage
 
 
 @dataclass(frozen=True)
 class Reply:
-    """One model reply: the index of the first step it produced, its text and usage."""
+    """One model reply: the index of the first step it produced, its text and usage, and
+    when it arrived (UTC)."""
 
     first_step: int
     text: str
     usage: TokenUsage
+    at: datetime | None = None
 
 
 class EpisodeLog:
@@ -29,10 +33,17 @@ class EpisodeLog:
         self._usage = TokenUsage()
         self._replies: list[Reply] = []
         self._on_change = on_change
+        # When the last step or reply was recorded: the next step's action began then.
+        self._mark = time.monotonic()
+        self._wall_mark = datetime.now(UTC)
 
     def record(self, action: Action, observation: Observation) -> None:
         with self._lock:
-            self._steps.append(Step(action=action, observation=observation))
+            now = time.monotonic()
+            started_at, duration = self._wall_mark, now - self._mark
+            self._steps.append(Step(action=action, observation=observation,
+                                    started_at=started_at, duration_s=duration))
+            self._mark, self._wall_mark = now, started_at + timedelta(seconds=duration)
         self._changed()
 
     def add_usage(self, usage: TokenUsage | None) -> None:
@@ -45,8 +56,11 @@ class EpisodeLog:
     def begin_reply(self, text: str, usage: TokenUsage) -> None:
         """A model reply arrived; the steps recorded next are its actions."""
         with self._lock:
-            self._replies.append(Reply(len(self._steps), text, usage))
+            now = time.monotonic()
+            at = self._wall_mark + timedelta(seconds=now - self._mark)
+            self._replies.append(Reply(len(self._steps), text, usage, at))
             self._usage = self._usage + usage
+            self._mark, self._wall_mark = now, at
         self._changed()
 
     def steps(self) -> list[Step]:

@@ -14,15 +14,17 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Self
 
 import outcome
 from harbor.agents.base import BaseAgent
 from harbor.agents.capabilities import AgentCapabilities
+from harbor.agents.options import AgentOptions
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
-from pydantic import AfterValidator, BeforeValidator, Field
+from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 
 from wmo_trio import __version__
 from wmo_trio.backends import BackendChoice, build_runtime, check_e2b_key, check_sandbox, resolve_backend
@@ -34,6 +36,12 @@ from wmo_trio.episode.runtime import Runtime, RuntimeEpisode
 from wmo_trio.episode.services import system_prompt
 from wmo_trio.episode.tools import tool_spec
 from wmo_trio.harbor._adapter import HarborEnvironmentAdapter
+from wmo_trio.harbor._identity import (
+    HarborTrial,
+    harbor_trial,
+    pin_document,
+    record_identity_in_locks,
+)
 from wmo_trio.harbor._trajectory import TrajectoryInfo, write_trajectory
 from wmo_trio.harness import HarnessDoc, HarnessError, harness_from
 from wmo_trio.models import RunResult
@@ -50,12 +58,14 @@ from wmo_trio.settings import (
     CommandTimeout,
     EpisodeSettings,
     PositiveInt,
+    PositiveSeconds,
     not_given,
     refused,
 )
 from wmo_trio.trace import (
     CANCELLED_BY_HARBOR,
     CANCELLED_BY_HARBOR_TIMEOUT,
+    TraceIdentity,
     trace_for,
     write_trace,
 )
@@ -64,6 +74,7 @@ log = logging.getLogger("wmo_trio.harbor")
 
 AGENT_NAME = "wmo-harness"
 _DEADLINE_SLACK_S = 0.05
+DocHash = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$", description="32 lowercase hex digits")]
 
 
 def _document(value: object) -> HarnessDoc:
@@ -86,52 +97,79 @@ def _provider_config(value: object) -> ProviderConfig:
         raise refused(str(error)) from None
 
 
-def _no_extra_env(value: dict[str, str] | None) -> dict[str, str] | None:
-    if value:
-        raise refused("not supported: wmo_trio does not inject agent environment variables "
-                      f"(got {sorted(value)}); remove them from the agent config")
-    return value
+class AgentArguments(AgentOptions, EpisodeSettings, BackendChoice):  # type: ignore[misc]
+    """The agent's keyword arguments (README: "the agent's keyword arguments"), declared
+    once: harbor's options model for the agent (`options_model`), which harbor validates
+    at preflight and again in every trial's constructor. The document is parsed
+    (`harness_from`) and the provider configuration read (`parse_provider_config`);
+    building the provider, and the checks that depend on this process (the model name
+    harbor passes, an E2B key), are the agent's own."""
 
-
-class AgentArguments(EpisodeSettings, BackendChoice):
-    """The agent's keyword arguments (README: "the agent's keyword arguments"), checked:
-    the document parsed (`harness_from`) and the provider configuration read
-    (`parse_provider_config`). Building the provider, and the checks that depend on this
-    process (the model name harbor passes, an E2B key), are the agent's own."""
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid", coerce_numbers_to_str=False)
+    settings_noun: ClassVar[str] = "agent argument"
 
     harness: Annotated[HarnessDoc, BeforeValidator(_document)] = Field(
         description="a harness document (a JSON object, JSON text or the path of a JSON file)")
     provider_config: Annotated[ProviderConfig, BeforeValidator(_provider_config)] = Field(
         description="a JSON object with kind and model")
+    doc_hash: DocHash | None = Field(
+        default=None, description="the document's doc_hash (32 hex digits): the document must have it")
     command_timeout_sec: CommandTimeout = MAX_COMMAND_TIMEOUT_SEC
+    # The harbor agent's name for the budget; the research API's aliases are unknown here.
+    episode_timeout_sec: PositiveSeconds = DEFAULT_EPISODE_TIMEOUT_S
     episode_workers: PositiveInt = DEFAULT_EPISODE_WORKERS
-    extra_env: Annotated[dict[str, str] | None, AfterValidator(_no_extra_env)] = None
+
+    @model_validator(mode="after")
+    def _document_is_the_pinned_one(self) -> Self:
+        if self.doc_hash is not None and self.doc_hash != self.harness.doc_hash:
+            raise refused(
+                f"doc_hash: this job's agent configuration names document {self.doc_hash}, "
+                f"but harness is now document {self.harness.doc_hash}; a job never mixes two "
+                "candidates' trials: restore that document, or run this one as a new job "
+                "(another --job-name)")
+        return self
 
 
-def _checked_arguments(model_name: str | None, arguments: Mapping[str, object], *,
-                       check_model_name: bool = True) -> tuple[AgentArguments, Provider]:
-    """Every keyword argument checked, each failure a `ValueError` naming it; the
-    arguments (the backend chosen when none was named) and the provider for the agent's
-    trial."""
-    checked: AgentArguments = AgentArguments.parse(arguments)
-    if checked.harness_backend is None:
-        checked = checked.model_copy(update={
-            "harness_backend": resolve_backend(checked.harness, checked.harness_backend)})
-    config = checked.provider_config
-    if check_model_name and model_name != config.model_name:
-        raise ValueError(
-            f"model_name must be {config.model_name!r} (provider_config kind/model), "
-            f"got {model_name!r}"
-        )
-    if checked.harness_backend == "e2b":
+def _provider_for(arguments: AgentArguments, model_name: str | None, *,
+                  check_model_name: bool = True) -> Provider:
+    """The checks that depend on this process, then the provider for one trial; each
+    failure a `ValueError` naming its argument."""
+    config = arguments.provider_config
+    if check_model_name:
+        _check_model_name(model_name, config)
+    if arguments.harness_backend == "e2b":
         check_e2b_key()
-    elif checked.harness_backend == "sandbox":
+    elif arguments.harness_backend == "sandbox":
         check_sandbox()
     try:
-        provider = build_provider(config)
+        return build_provider(config)
     except ProviderConfigError as error:
         raise ValueError(f"provider_config: {error}") from None
-    return checked, provider
+
+
+def _check_model_name(model_name: str | None, config: ProviderConfig) -> None:
+    if model_name != config.model_name:
+        raise ValueError(
+            f"model_name (-m) must be {config.model_name!r} (provider_config kind/model), "
+            f"got {model_name!r}"
+        )
+
+
+def _no_agent_environment(env: Mapping[str, str] | None) -> None:
+    if env:
+        raise ValueError(
+            f"agent environment (--ae / extra_env) is not supported: wmo_trio does not inject "
+            f"agent environment variables (got {sorted(env)}); remove them from the agent config")
+
+
+def _lock_identity(agent_class: type, kwargs: Mapping[str, Any]) -> str | None:
+    """The `doc_hash` harbor's trial locks identify this agent by (see `_identity`)."""
+    if not issubclass(agent_class, WmoTrioHarborAgent):
+        return None
+    try:
+        return harness_from(kwargs.get("harness")).doc_hash
+    except (HarnessError, ValueError):
+        return None  # its preflight says what is wrong with the document
 
 
 class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no type information
@@ -143,29 +181,20 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
     """
 
     capabilities: ClassVar[AgentCapabilities] = AgentCapabilities(atif=True)
+    options_model: ClassVar[type[AgentOptions]] = AgentArguments
 
-    def __init__(self, logs_dir: Path, model_name: str | None = None, *, harness: Any = None,
-                 provider_config: Any = None, harness_backend: str | None = None,
-                 e2b_template: str | None = None,
-                 command_timeout_sec: int = MAX_COMMAND_TIMEOUT_SEC,
-                 episode_timeout_sec: float = DEFAULT_EPISODE_TIMEOUT_S,
-                 episode_workers: int = DEFAULT_EPISODE_WORKERS,
-                 context_window: int | None = None, extra_env: dict[str, str] | None = None,
-                 **harbor_kwargs: Any) -> None:
-        """Check every argument (a `ValueError` naming it) before harbor starts anything.
+    def __init__(self, logs_dir: Path, model_name: str | None = None, **kwargs: Any) -> None:
+        """harbor checks the arguments against `AgentArguments` (`parse_options`); the
+        checks that depend on this process follow, each a `ValueError` naming its argument.
 
         harbor's own arguments (`logger`, `mcp_servers`, `skills_dir`, and whatever later
-        releases add) go on to `BaseAgent` untouched.
+        releases add to `BaseAgent`) are `BaseAgent`'s, untouched.
         """
-        arguments, provider = _checked_arguments(model_name, {
-            "harness": harness, "provider_config": provider_config,
-            "harness_backend": harness_backend, "e2b_template": e2b_template,
-            "command_timeout_sec": command_timeout_sec, "episode_timeout_sec": episode_timeout_sec,
-            "episode_workers": episode_workers, "context_window": context_window,
-            "extra_env": extra_env})
-        super().__init__(logs_dir, model_name, **harbor_kwargs)
+        super().__init__(logs_dir, model_name, **kwargs)
+        arguments: AgentArguments = self.options
+        _no_agent_environment(self._extra_env)
         self._arguments = arguments
-        self._provider = provider
+        self._provider = _provider_for(arguments, model_name)
         # Before the burst of agents a harbor job constructs: each construction otherwise
         # ran the collector's full passes over every agent made so far.
         settle_heap()
@@ -178,15 +207,50 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
             )
 
     @classmethod
+    def parse_options(cls, kwargs: dict[str, Any] | None = None,
+                      env: Mapping[str, str] | None = None) -> AgentArguments:
+        """harbor's hook for checking an agent's options, at preflight and in the
+        constructor: one line naming each bad argument (an unknown one with the closest
+        known name), in place of harbor's generic listing."""
+        arguments: AgentArguments = AgentArguments.parse(kwargs or {})
+        for name in ("base_url", "reasoning_effort"):
+            if getattr(arguments, name) is not None:
+                raise ValueError(f"{name} is not supported by {AGENT_NAME}: its provider "
+                                 "settings go in provider_config")
+        if arguments.harness_backend is None:  # chosen by the document and this machine
+            arguments = arguments.model_copy(update={
+                "harness_backend": resolve_backend(arguments.harness, None)})
+        return arguments
+
+    @classmethod
     def preflight(cls, kwargs: dict[str, Any] | None = None,
                   env: Mapping[str, str] | None = None) -> None:
-        """Harbor calls this once per job, before any trial: every argument is checked
-        here already, and the files trials need (the document, a provider's script) are
-        read now, so no trial reads them on harbor's loop."""
+        """Harbor calls this once per job, before any trial, and prints a `ValueError` as
+        one line: every argument is checked here, and the files trials need (the document,
+        a provider's script) are read now, so no trial reads them on harbor's loop. The
+        document's `doc_hash` is then recorded in the job's agent configuration (see
+        `_identity`). The model name is checked in `check_model_credentials`, harbor's
+        hook that is given it."""
         super().preflight(kwargs, env)
-        arguments = {name: value for name, value in (kwargs or {}).items()
-                     if name in AgentArguments.model_fields}
-        _checked_arguments(None, arguments, check_model_name=False)
+        _no_agent_environment(env)
+        arguments = cls.parse_options(kwargs, env)
+        _provider_for(arguments, None, check_model_name=False)
+        pin_document(kwargs, arguments.harness.doc_hash, WmoTrioHarborAgent)
+
+    @classmethod
+    def check_model_credentials(cls, connection: Any, *, kwargs: dict[str, Any],
+                                env: Mapping[str, str],
+                                explicit_env: Mapping[str, str] | None = None) -> None:
+        """`-m` must be `<kind>/<model>` of `provider_config`: checked before the job, as
+        harbor passes the model name to this hook (not to `preflight`)."""
+        given = kwargs.get("provider_config")
+        if not isinstance(given, dict):
+            return  # its preflight, which harbor runs first, said what is wrong with it
+        try:
+            config = parse_provider_config(given)
+        except (ProviderConfigError, TypeError, ValueError):
+            return  # its preflight, which harbor runs first, said what is wrong with it
+        _check_model_name(kwargs.get("model_name"), config)
 
     @staticmethod
     def name() -> str:
@@ -226,14 +290,16 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
                   context: AgentContext) -> None:
         """Run the episode on the trio engine; see `HarborEpisode` for what happens when
         harbor cancels it."""
+        # First: harbor's timeout is read as a deadline from now, a little short of its own.
+        timed_out = _harbor_timeout()
         context.metadata = {**(context.metadata or {}), "candidate_doc_hash": self.doc.doc_hash}
+        trial = harbor_trial(environment, context_id=self.context_id, session_id=self.session_id)
         # Harbor builds an agent per trial and runs it once: its episode takes over the
         # provider and closes it in its cleanup.
         episode = HarborEpisode(
             self._arguments, self.model_name, self._provider, instruction, environment, context,
-            logs_dir=Path(self.logs_dir),
-            task_id=str(self.context_id or self.session_id or "harbor-task"),
-            session_id=self.session_id, timed_out=_harbor_timeout(),
+            logs_dir=Path(self.logs_dir), trial=trial,
+            session_id=self.session_id, timed_out=timed_out,
         )
         # The episode's record() sets the context's stop_reason and turns, however it ends.
         await self._run_episode(episode)
@@ -287,9 +353,12 @@ class HarborEpisode(RuntimeEpisode):
 
     def __init__(self, arguments: AgentArguments, model_name: str | None, provider: Provider,
                  instruction: str, environment: BaseEnvironment, context: AgentContext, *,
-                 logs_dir: Path, task_id: str, session_id: str | None,
+                 logs_dir: Path, trial: HarborTrial, session_id: str | None,
                  timed_out: Callable[[], bool] | None) -> None:
-        super().__init__(task_id, instruction)
+        # The runtime's own id for the episode (an E2B sandbox's metadata): the trial's.
+        super().__init__(trial.trial_id or trial.trial_name or "harbor-task", instruction)
+        self._trial = trial
+        self._started_at = datetime.now(UTC)
         self._arguments = arguments
         self._model_name = model_name
         self._provider = provider
@@ -348,7 +417,14 @@ class HarborEpisode(RuntimeEpisode):
         if cancelled:
             self._note_cancelled()
         log = self.log
-        trace = trace_for(self.task_id, result, cancelled=self._cancel_reason if cancelled else None,
+        trial = self._trial
+        identity = TraceIdentity(
+            task_id=trial.task_id if trial.task_id is not None else self.task_id,
+            trial_id=trial.trial_id, trial_name=trial.trial_name, task_name=trial.task_name,
+            doc_hash=self._arguments.harness.doc_hash,
+            model=self._arguments.provider_config.model_name,
+            started_at=self._started_at, ended_at=datetime.now(UTC))
+        trace = trace_for(identity, result, cancelled=self._cancel_reason if cancelled else None,
                           log=log)
         self._context.metadata = {**(self._context.metadata or {}),
                                   "stop_reason": str(trace.stop_reason), "turns": trace.turns}
@@ -364,3 +440,8 @@ class HarborEpisode(RuntimeEpisode):
             tools=[tool_spec(name).model_dump() for name in doc.tools],
             extra={"candidate_doc_hash": doc.doc_hash, "harness": doc.name},
         ), log)
+
+
+# From the moment the agent can be named in a job, harbor's trial locks identify it by its
+# document (see `_identity`).
+record_identity_in_locks(_lock_identity)

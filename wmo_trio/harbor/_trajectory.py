@@ -7,6 +7,7 @@ is written is what harbor reads.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +48,18 @@ def trajectory(trace: Trace, info: TrajectoryInfo, log: EpisodeLog | None) -> Tr
     """The episode as ATIF: the system prompt and the instruction, then one agent step per
     model reply, carrying its tool calls, their observations and the reply's token usage
     (so harbor's usage sums come out right). Steps recorded without a reply of their own
-    (a provider error, the budget ending) become system steps."""
-    steps = [Step(step_id=1, source="system", message=info.system_prompt),
-             Step(step_id=2, source="user", message=info.instruction)]
+    (a provider error, the budget ending) become system steps. Each step is stamped with
+    when it happened: the episode's start, a reply's arrival, a lone step's start."""
+    began = _iso(trace.started_at)
+    steps = [Step(step_id=1, source="system", message=info.system_prompt, timestamp=began),
+             Step(step_id=2, source="user", message=info.instruction, timestamp=began)]
     replies = log.replies() if log is not None else []
     for reply, taken in _turns(trace.steps, {reply.first_step: reply for reply in replies}):
         step_id = len(steps) + 1
         if reply is None:
-            steps.append(Step(step_id=step_id, source="system", message=taken[0][1].observation.content))
+            alone = taken[0][1]
+            steps.append(Step(step_id=step_id, source="system", message=alone.observation.content,
+                              timestamp=_iso(alone.started_at)))
         else:
             steps.append(_agent_step(step_id, reply, taken, info.model_name))
     usage = trace.worker_usage
@@ -113,12 +118,18 @@ def _agent_step(step_id: int, reply: Reply, taken: _Taken, model_name: str | Non
         results.append(ObservationResult(source_call_id=call_id, content=step.observation.content))
     return Step(
         step_id=step_id, source="agent", model_name=model_name, message=reply.text,
+        timestamp=_iso(reply.at),
         metrics=Metrics(prompt_tokens=reply.usage.input_tokens,
                         completion_tokens=reply.usage.output_tokens,
                         cached_tokens=reply.usage.cached_input_tokens),
         tool_calls=calls or None,
         observation=Observation(results=results) if results else None,
     )
+
+
+def _iso(moment: datetime | None) -> str | None:
+    """ATIF's timestamps are ISO 8601 text."""
+    return None if moment is None else moment.isoformat()
 
 
 def write_trajectory(directory: Path, trace: Trace, info: TrajectoryInfo,
