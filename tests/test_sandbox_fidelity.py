@@ -23,7 +23,7 @@ from test_local_environment import (
     trial_results,
 )
 
-from wmo_trio.sandbox import DockerfileError
+from wmo_trio.sandbox import BuildError, DockerfileError, _image
 from wmo_trio.sandbox._dockerfile import build_plan, parse
 from wmo_trio.sandbox._environment import AUTO_MOUNTING_REFUSED
 from wmo_trio.sandbox._image import stand_in_notice
@@ -171,6 +171,31 @@ def test_copy_from_a_stage_expands_globs_and_applies_chown(tmp_path: Path) -> No
         """, "stat -c '%n %u' /usr/local/lib/mine/a.so /usr/local/lib/mine/b.so") == [
         "/usr/local/lib/mine/a.so 4321\n/usr/local/lib/mine/b.so 4321\n"]
 
+
+
+def test_copy_from_a_stage_brings_out_no_more_than_its_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage is the task's, and so is the ``tar`` that packs what COPY --from takes:
+    one that never stops writing is cut off at the limit, the build failing in one line,
+    instead of filling the host's disk until the build's time runs out."""
+    monkeypatch.setattr(_image, "STAGE_COPY_LIMIT", 1 << 20)
+    context = tmp_path / "environment"
+    context.mkdir()
+    (context / "Dockerfile").write_text(textwrap.dedent("""\
+        FROM debian:bookworm-slim AS builder
+        RUN printf '#!/bin/sh\\nexec cat /dev/zero\\n' > /usr/local/bin/tar \\
+            && chmod +x /usr/local/bin/tar
+        FROM debian:bookworm-slim
+        COPY --from=builder /etc/hostname /copied
+        """))
+
+    async def scenario() -> None:
+        environment = make_environment(tmp_path, context, cache_dir=str(tmp_path / "cache"))
+        with pytest.raises(BuildError, match=r"/etc/hostname in stage 0 holds more than 1 MiB"):
+            async with running(environment):
+                pass
+
+    run(scenario)
 
 def test_a_bare_arg_in_a_stage_takes_the_default_declared_before_from(tmp_path: Path) -> None:
     assert outputs_in(tmp_path, """\

@@ -52,7 +52,7 @@ from wmo_trio.sandbox._namespace import (
     remove_tree,
     same_file,
 )
-from wmo_trio.sandbox._processes import Channel, Completed, SpawnFailed
+from wmo_trio.sandbox._processes import Channel, Completed, SpawnFailed, wait_readable
 from wmo_trio.sandbox._rootfs import HostLayers
 
 __all__ = ["BuildError", "Image", "ImageCache", "ImageConfig", "default_cache_dir"]
@@ -65,6 +65,9 @@ LONG_ARGUMENT = 96 << 10
 SCRIPT_PLACEHOLDER = "\0script\0"  # where a RUN's command names its script's file
 # Written into a build's /etc so that RUN reaches the registries; not part of the image.
 NETWORK_ETC_FILES = {"resolv.conf": "nameserver 10.0.2.3\n"}
+# What one COPY --from may bring out of an earlier stage. The stage's own tar writes
+# that stream, and the stage is the task's: it passes through the host only this far.
+STAGE_COPY_LIMIT = 2 << 30
 
 
 class BuildError(RuntimeError):
@@ -653,7 +656,23 @@ class _Builder:
         parent, name = posixpath.split(path)
         argv = (["tar", "-c", "-f", "-", "-C", path, "."] if is_dir
                 else ["tar", "-c", "-f", "-", "-C", parent or "/", "--", name])
-        await self._in_stage(instruction, stage, argv, stdout=into)
+        read_end, write_end = os.pipe()
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(_bounded_copy(read_end, into, STAGE_COPY_LIMIT, lambda: (
+                    f"Dockerfile {instruction.describe()} failed: {path} in stage {stage} "
+                    f"holds more than {STAGE_COPY_LIMIT >> 20} MiB")))
+                try:
+                    await self._in_stage(instruction, stage, argv, stdout=write_end)
+                finally:  # the copy ends at the end of the stream
+                    os.close(write_end)
+                    write_end = -1
+        except BaseExceptionGroup as group_error:
+            raise group_error.exceptions[0] from None
+        finally:
+            os.close(read_end)
+            if write_end >= 0:
+                os.close(write_end)
         into.seek(0)
 
     async def _in_stage(self, instruction: Instruction, stage: int, argv: list[str],
@@ -668,6 +687,25 @@ class _Builder:
             raise BuildError(f"Dockerfile {instruction.describe()} failed: stage {stage}: "
                              f"{detail or f'exit code {completed.return_code}'}")
         return completed
+
+
+async def _bounded_copy(fd: int, into: Any, limit: int, too_much: Callable[[], str]) -> None:
+    """Copy a pipe into a file until its end, refusing (``BuildError``) past ``limit``
+    bytes."""
+    os.set_blocking(fd, False)
+    copied = 0
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 20)
+        except BlockingIOError:
+            await wait_readable(fd)
+            continue
+        if not chunk:
+            return
+        copied += len(chunk)
+        if copied > limit:
+            raise BuildError(too_much())
+        await asyncio.to_thread(into.write, chunk)
 
 
 def _pack(bundle: Any, sources: list[Path], destination: str, as_directory: bool,
