@@ -97,6 +97,7 @@ class Wire(ABC):
     base_url_env: str  # the variable read when the settings give no base_url
     timeout_header: str  # where the SDK tells the server how long it will wait
     setting_names: tuple[str, ...]  # every setting the kind takes besides kind and model
+    arguments_as_text: bool  # the wire carries tool-call arguments as JSON text, kept as raw_arguments
     provider_class: type[AnthropicProvider] | type[OpenAIProvider]
     api_key: str
     server: anthropic_server.AnthropicServer | openai_server.ChatCompletionsServer
@@ -163,6 +164,7 @@ class AnthropicWire(Wire):
     timeout_header = "x-stainless-timeout"
     setting_names = ("api_key_env", "base_url", "timeout_s", "thinking", "max_connections",
                      "api_version", "retry", "record")
+    arguments_as_text = False
     provider_class = AnthropicProvider
     api_key = anthropic_server.API_KEY
 
@@ -209,6 +211,7 @@ class OpenAIWire(Wire):
     timeout_header = "x-stainless-read-timeout"
     setting_names = ("api_key_env", "base_url", "timeout_s", "max_connections", "max_tokens_field",
                      "send_temperature", "headers", "extra_body", "check_server", "retry", "record")
+    arguments_as_text = True
     provider_class = OpenAIProvider
     api_key = openai_server.API_KEY
 

@@ -8,6 +8,7 @@ tests/test_anthropic_provider.py and tests/test_openai_provider.py.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -89,13 +90,15 @@ def test_a_text_only_reply_is_its_text_with_no_calls_and_a_stop_finish(
 
 def test_text_and_several_tool_calls_in_one_reply_are_all_kept_in_order(
         wire: Wire, provider: AnyHTTPProvider) -> None:
-    response = answer(wire, provider, wire.tool_calls(
-        ("c1", "bash", {"command": "ls -l"}), ("c2", "read_file", {"path": "x"}),
-        ("c3", "submit", {"answer": "done"}), text="Looking."))
+    calls = [("c1", "bash", {"command": "ls -l"}), ("c2", "read_file", {"path": "x"}),
+             ("c3", "submit", {"answer": "done"})]
+    response = answer(wire, provider, wire.tool_calls(*calls, text="Looking."))
     assert response.text == "Looking."
     assert [(c.id, c.name, c.arguments, c.parse_error) for c in response.tool_calls] == [
-        ("c1", "bash", {"command": "ls -l"}, None), ("c2", "read_file", {"path": "x"}, None),
-        ("c3", "submit", {"answer": "done"}, None)]
+        (id_, name, arguments, None) for id_, name, arguments in calls]
+    # The model's own text is kept to be sent back unchanged; an object has no such text.
+    assert [c.raw_arguments for c in response.tool_calls] == [
+        json.dumps(arguments) if wire.arguments_as_text else None for _, _, arguments in calls]
     assert response.finish_reason is FinishReason.TOOL_CALLS
 
 
