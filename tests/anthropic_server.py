@@ -4,8 +4,8 @@
 daemon thread). It answers `POST /v1/messages` from a queue of `Reply` values that a test
 fills in advance, one reply per request, and records every request it receives so that a
 test can assert what the provider sent. The reply builders below (`text`, `tool_use`,
-`message`, `error`, `dropped`) produce bodies in the shapes the API uses; `raw` sends bytes
-as they are, as an unfaithful server or a proxy does.
+`message`, `error`, `dropped`, `reset`) produce bodies in the shapes the API uses; `raw`
+sends bytes as they are, as an unfaithful server or a proxy does.
 
 A request that arrives when the queue is empty gets a 400 `invalid_request_error`, which
 no retry policy retries, so a test that under-fills the queue fails loudly instead of
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
+import struct
 import threading
 from collections import deque
 from collections.abc import Mapping
@@ -33,7 +35,8 @@ class Reply:
     sent.
 
     `delay_s` sleeps before answering (the sleep ends early when the server stops);
-    `drop` closes the connection without sending any response at all.
+    `drop` closes the connection without sending any response at all; `reset` aborts it
+    with a TCP reset.
     """
 
     status: int = 200
@@ -41,6 +44,7 @@ class Reply:
     headers: Mapping[str, str] = field(default_factory=dict)
     delay_s: float = 0.0
     drop: bool = False
+    reset: bool = False
     raw_body: bytes | None = None
     content_type: str = "application/json"
 
@@ -133,6 +137,10 @@ def dropped() -> Reply:
     return Reply(drop=True)
 
 
+def reset() -> Reply:
+    return Reply(reset=True)
+
+
 class AnthropicServer:
     """See the module docstring. Use as a context manager, or `start()`/`stop()`."""
 
@@ -170,7 +178,8 @@ class AnthropicServer:
             return len(self._queue)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+        # stop() waits up to one poll for the serving loop: a short one keeps each test's teardown short.
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.01},
                                         name="anthropic-test-server", daemon=True)
         self._thread.start()
 
@@ -234,6 +243,13 @@ class AnthropicServer:
                 reply = server._next_reply(recorded)
                 if reply.delay_s > 0 and server._stopping.wait(reply.delay_s):
                     reply = dropped()
+                if reply.reset:
+                    # SO_LINGER with a zero timeout: close() sends a RST, not a FIN.
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                               struct.pack("ii", 1, 0))
+                    self.connection.close()
+                    self.close_connection = True
+                    return
                 if reply.drop:
                     self.close_connection = True
                     return

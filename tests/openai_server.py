@@ -180,7 +180,8 @@ class ChatCompletionsServer:
             return len(self._queue)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+        # stop() waits up to one poll for the serving loop: a short one keeps each test's teardown short.
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.01},
                                         name="openai-test-server", daemon=True)
         self._thread.start()
 
