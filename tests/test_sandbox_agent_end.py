@@ -40,8 +40,11 @@ __all__ = ["pytestmark"]
 
 GET = 'import urllib.request as u; print(u.urlopen("http://127.0.0.1:8123/").read().decode())'
 # The agent's leftovers: a loop that keeps rewriting a file the verifier reads, and a
-# sleeper; both clear their environment and leave the agent's session.
-TAMPER = "while :; do date > /app/tamper; sleep 0.1; done"
+# sleeper; both clear their environment and leave the agent's session. Each rewrite is a
+# rename, so the end of the agent phase never finds the file truncated and not yet
+# written (a kill between `>` and `date` once left it empty and failed the check that
+# the loop ran).
+TAMPER = "while :; do date > /app/tamper.new; mv /app/tamper.new /app/tamper; sleep 0.1; done"
 
 
 class RecordingEnvironment(LocalEnvironment):
