@@ -314,7 +314,7 @@ SUMMARY = ("<!-- bench-summary:start -->", "<!-- bench-summary:end -->")
 # The front page's rows: (part, the full table whose rows it reads, a row label). A label
 # that matches one row per size takes the last, the largest size.
 HEADLINE = (
-    ("engine", "scenario", r"cancel p99, 30 s command in flight, [\d,]+ episodes"),
+    ("engine", "scenario", r"cancel p99, [\d.]+ s command in flight, [\d,]+ episodes"),
     ("engine", "scenario", r"wall time / ideal @ [\d,]+"),
     ("engine", "scenario", r"host heartbeat lateness p99 @ [\d,]+"),
     ("engine", "scenario", r"per-episode overhead \(.*\)"),

@@ -200,6 +200,19 @@ def test_a_broken_link_and_an_unlinked_page_are_found(tmp_path: Path) -> None:
     assert unlinked_pages(readme) == ["orphan.md"]
 
 
+def test_the_readmes_benchmark_summary_is_the_headline_of_the_benchmarks_page() -> None:
+    """`make bench` writes both; a hand edit of one, or a run that wrote only one, would
+    leave the front page telling other figures than the page it links."""
+    from benchmarks.__main__ import DOCS_PAGE, SUMMARY, TABLES, headline
+
+    def between(path: Path, markers: tuple[str, str]) -> str:
+        return path.read_text().split(markers[0] + "\n", 1)[1].split(markers[1], 1)[0]
+
+    summary = between(README, SUMMARY)
+    assert summary.count("\n| ") >= 5
+    assert summary == headline(between(DOCS_PAGE, TABLES))
+
+
 def test_the_docs_code_runtime_program_is_the_example_that_runs() -> None:
     """The docs show a `code:runtime` program and run `examples/code-runtime.json`: they
     are one program, so what the docs show is what their command runs."""
