@@ -61,7 +61,7 @@ demo: $(STAMP)
 	$(VENV)/bin/wmo-trio run
 
 bench: $(STAMP)
-	$(PY) -m benchmarks --readme
+	$(PY) -m benchmarks --docs
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick

@@ -1,4 +1,4 @@
-"""The benchmark suite: `python -m benchmarks [--quick] [--out DIR] [--readme]`.
+"""The benchmark suite: `python -m benchmarks [--quick] [--out DIR] [--docs]`.
 
 Runs every engine scenario for the asyncio baseline and for wmo_trio under each host (each
 in its own interpreter, since trio-asyncio changes asyncio's loop policy process-wide), real
@@ -8,6 +8,8 @@ over `local` (`benchmarks/sandbox_backend.py`). Writes `results.json`,
 `results.md` (each figure for the baseline and every wmo_trio host, with the ratio) and
 PNG plots of start and cancellation latency against the number of concurrent episodes.
 All figures come from this one run on this machine: compare ratios, not absolute values.
+`--docs` puts the tables and plots into docs/benchmarks.md and the headline rows into the
+README.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import argparse
 import json
 import os
 import platform
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -28,7 +32,6 @@ from benchmarks import traffic
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_IMPLS = ("baseline", "thread", "guest", "trio-asyncio")
 WMO_HOSTS = ("thread", "guest", "trio-asyncio")
-README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
 def machine() -> str:
@@ -302,14 +305,89 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     return written
 
 
-def update_readme(table: str) -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    if README_START not in text or README_END not in text:
-        raise SystemExit(f"README.md has no {README_START} ... {README_END} section")
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    readme.write_text(f"{head}{README_START}\n{table}{README_END}{tail}")
+DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
+PLOTS = ROOT / "docs" / "plots"
+README = ROOT / "README.md"
+TABLES = ("<!-- bench:start -->", "<!-- bench:end -->")
+SUMMARY = ("<!-- bench-summary:start -->", "<!-- bench-summary:end -->")
+
+# The front page's rows: (part, the full table whose rows it reads, a row label). A label
+# that matches one row per size takes the last, the largest size.
+HEADLINE = (
+    ("engine", "scenario", r"cancel p99, [\d.]+ s command in flight, [\d,]+ episodes"),
+    ("engine", "scenario", r"wall time / ideal @ [\d,]+"),
+    ("engine", "scenario", r"host heartbeat lateness p99 @ [\d,]+"),
+    ("engine", "scenario", r"per-episode overhead \(.*\)"),
+    ("engine", "scenario", r"threads left after idle timeout"),
+    ("real traffic", "real traffic", r"wall time / ideal @ [\d,]+ \(anthropic\)"),
+    ("real traffic", "real traffic", r"process CPU per step @ [\d,]+ \(anthropic\)"),
+    ("real traffic", "real traffic",
+     r"host asyncio loop heartbeat lateness p99 @ [\d,]+ \(anthropic\)"),
+)
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def _table_rows(text: str, first: str) -> list[list[str]]:
+    """The rows of the markdown table in `text` whose header starts with `first`."""
+    lines = text.splitlines()
+    header = next((i for i, line in enumerate(lines) if line.startswith(f"| {first} |")), None)
+    if header is None:
+        return []
+    rows = []
+    for line in lines[header + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(_cells(line))
+    return rows
+
+
+def headline(table: str) -> str:
+    """The front page's summary: a few rows of the full tables, the baseline against wmo_trio
+    on the thread host (harbor's default), read from the tables as `markdown` wrote them."""
+    measured = table.splitlines()[0].split(". ")[0]
+    lines = [f"{measured}. The ratio is wmo_trio over the baseline, and lower is better in "
+             "every row; the full tables, every host and what each figure says: "
+             "[docs/benchmarks.md](docs/benchmarks.md).", "",
+             "| part | figure | baseline | wmo_trio (thread host) | ratio |",
+             "|---|---|---:|---:|---:|"]
+    for part, first, label in HEADLINE:
+        found = [row for row in _table_rows(table, first) if re.fullmatch(label, row[0])]
+        if found:
+            row = found[-1]
+            lines.append(f"| {part} | {row[0]} | {row[1]} | {row[2]} | {row[-1].split(' / ')[0]} |")
+    job = re.search(r"^Real harbor job: (\d+) trials", table, re.M)
+    agents = {row[0]: row for row in _table_rows(table, "agent / host")}
+    ours, theirs = agents.get("wmo_trio, harbor CLI (thread host)"), agents.get(
+        "baseline agent, harbor CLI")
+    if job and ours and theirs:
+        lines.append(f"| harbor job | wall time, {job[1]} trials of `hello-file` | "
+                     f"{theirs[1].split(' (')[0]} | {ours[1].split(' (')[0]} | "
+                     f"{ours[1].split(' (')[1].rstrip(')')} |")
+    return "\n".join(lines) + "\n"
+
+
+def replace_between(path: Path, markers: tuple[str, str], text: str) -> None:
+    start, end = markers
+    content = path.read_text()
+    if start not in content or end not in content:
+        raise SystemExit(f"{path.relative_to(ROOT)} has no {start} ... {end} section")
+    head, rest = content.split(start, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{start}\n{text}{end}{tail}")
+
+
+def update_docs(table: str, plotted: list[Path]) -> None:
+    """The full tables and the plots into docs/benchmarks.md, the headline into the README."""
+    PLOTS.mkdir(exist_ok=True)
+    figures = []
+    for plot in plotted:
+        shutil.copyfile(plot, PLOTS / plot.name)
+        figures.append(f"![{plot.stem.replace('_', ' ')}](plots/{plot.name})")
+    replace_between(DOCS_PAGE, TABLES, table + ("\n" + "\n".join(figures) + "\n" if figures else ""))
+    replace_between(README, SUMMARY, headline(table))
 
 
 # What a run measures, in order; each is saved to partial.json as it ends.
@@ -320,16 +398,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument("--quick", action="store_true", help="every scenario, small sizes")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results")
-    parser.add_argument("--readme", action="store_true", help="put the table into README.md")
+    parser.add_argument("--docs", action="store_true",
+                        help="put the tables and plots into docs/benchmarks.md, the headline "
+                             "rows into README.md")
     parser.add_argument("--skip-harbor", action="store_true", help="no real harbor job")
     parser.add_argument("--resume", action="store_true",
                         help="keep the parts a run that stopped early measured (in --out's "
                              "partial.json, same mode and day) and run only the rest")
     parser.add_argument("--only", choices=("engine", "traffic", "harbor", "sandbox"),
-                        help="one part of the suite (not with --readme)")
+                        help="one part of the suite (not with --docs)")
     args = parser.parse_args()
-    if args.only and args.readme:
-        parser.error("--readme needs every scenario: leave out --only")
+    if args.only and args.docs:
+        parser.error("--docs needs every scenario: leave out --only")
     parts = {args.only} if args.only else {"engine", "traffic", "harbor", "sandbox"}
     if args.skip_harbor:
         parts.discard("harbor")
@@ -394,8 +474,8 @@ def main() -> None:
     table = markdown(results)
     (args.out / "results.md").write_text(table)
     written = plots(results, args.out)
-    if args.readme:
-        update_readme(table)
+    if args.docs:
+        update_docs(table, written)
     print(table)
     print(f"results in {args.out}: results.json, results.md, "
           + ", ".join(p.name for p in written), file=sys.stderr)

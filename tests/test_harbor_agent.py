@@ -942,11 +942,11 @@ def test_an_unknown_argument_is_refused_naming_it_and_the_closest_known_one(tmp_
     assert "\n" not in message
 
 
-def test_the_agent_declares_the_readmes_arguments_as_harbors_options_model() -> None:
+def test_the_agent_declares_the_documented_arguments_as_harbors_options_model() -> None:
     # harbor validates an agent's options_model at preflight and shows it as the agent's
-    # schema (`harbor agents schema`); the README's table lists the same arguments.
-    readme = (REPO / "README.md").read_text()
-    table = readme[readme.index("| argument | meaning |"):]
+    # schema (`harbor agents schema`); docs/agent.md's table lists the same arguments.
+    page = (REPO / "docs" / "agent.md").read_text()
+    table = page[page.index("| argument | meaning |"):]
     table = table[: table.index("\n\n")]
     listed = set(re.findall(r"^\| `(\w+)` \|", table, flags=re.MULTILINE))
     harbors_own = {"base_url", "disable_web_search", "reasoning_effort"}  # AgentOptions'
