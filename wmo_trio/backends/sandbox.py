@@ -66,11 +66,11 @@ from wmo_trio.backends._frames import (
     MAX_FRAME_BYTES,
     WAKE,
     Exited,
-    ProtocolViolation,
     TransportFailure,
     ended_early,
     serve_frames,
 )
+from wmo_trio.episode.channel import ProtocolViolation, refuse
 from wmo_trio.episode.environment import Environment
 from wmo_trio.episode.runtime import RuntimeBase
 from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, episode_spec
@@ -586,28 +586,19 @@ class SandboxRuntime(RuntimeBase):
         self.settings = settings or SandboxSettings()
         self._runner: _Runner | None = None
 
-    def abort(self) -> None:
-        """Stop now: kill the sandbox and interrupt the model or environment call in flight."""
-        super().abort()
-        self._kill()
+    closing_stops = True
 
-    def _release(self) -> None:
-        self._kill()
-
-    def _stopping(self) -> bool:
-        return self._closed or super()._stopping()
-
-    def _interrupt(self) -> None:
-        super()._interrupt()
-        runner = self._runner
-        if runner is not None:
-            runner.wake()
-
-    def _kill(self) -> None:
+    def kill_program(self) -> None:
+        """Kill the sandbox: a signal, quick from any thread."""
         with self._lock:
             runner = self._runner
         if runner is not None:
             runner.kill()
+
+    def wake(self) -> None:
+        runner = self._runner
+        if runner is not None:
+            runner.wake()
 
     def run(self, task_id: str, instruction: str, environment: Environment) -> RunResult:
         with self._episode(environment):
@@ -636,8 +627,7 @@ class SandboxRuntime(RuntimeBase):
             services.record_error(f"sandbox transport failed: {failure}")
             return StopReason.ERROR, ""
         except ProtocolViolation as violation:
-            services.record_error(f"the sandbox runner broke the frame protocol: {violation}")
-            return StopReason.ERROR, ""
+            return refuse(services, violation)
 
     def _start(self) -> _Runner:
         pool = _pool(self.settings)
@@ -649,7 +639,7 @@ class SandboxRuntime(RuntimeBase):
             # A burst starts its runners a few at a time: all at once, every one of them
             # waits for the whole burst's CPU.
             while not _STARTS.acquire(timeout=_START_POLL_S):
-                if self._stopping():
+                if self.stopping():
                     raise TransportFailure("the episode stopped before its sandbox started")
             try:
                 return _start_runner(python_runtime(), self.settings, self._hold)
@@ -663,7 +653,7 @@ class SandboxRuntime(RuntimeBase):
             previous, self._runner = self._runner, runner
         if previous is not None:  # a start tried again
             previous.close()
-        if self._stopping():  # aborted while it started
+        if self.stopping():  # aborted while it started
             runner.kill()
 
 
