@@ -25,6 +25,7 @@ from wmo_trio.backends import build_runtime
 from wmo_trio.backends.sandbox import sandbox_problem
 from wmo_trio.episode import LocalDirEnvironment
 from wmo_trio.episode.channel import MAX_FREE_CALLS
+from wmo_trio.episode.runtime import RuntimeBase
 from wmo_trio.episode.services import ELIDED
 from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import RunResult, StopReason
@@ -48,11 +49,8 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 def run_on(backend: str, doc: HarnessDoc, provider: Any, workdir: Path, **kwargs: Any) -> RunResult:
-    runtime = build_runtime(doc, provider, backend=backend, **kwargs)
-    try:
+    with build_runtime(doc, provider, backend=backend, **kwargs) as runtime:
         return runtime.run("task", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=30))
-    finally:
-        runtime.close()
 
 
 def call(tool: str, **arguments: str) -> dict[str, Any]:
@@ -73,6 +71,16 @@ def test_a_program_solves_the_task_through_its_kit(backend: str, tmp_path: Path)
     assert (result.stop_reason, result.answer) == (StopReason.SUBMITTED, "wrote out/greeting.txt")
     assert (tmp_path / "out" / "greeting.txt").read_text() == "hi\n"
     assert [s.action.name for s in result.steps] == ["write_file", "read_file", "submit"]
+
+
+def test_a_runtime_is_closed_when_its_with_block_ends(backend: str, tmp_path: Path) -> None:
+    with build_runtime(code_doc(AGENT), Spy(SOLVE), backend=backend) as runtime:
+        result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path, command_timeout_sec=30))
+        assert isinstance(runtime, RuntimeBase) and not runtime.control.interrupted
+    assert result.stop_reason is StopReason.SUBMITTED
+    assert runtime.control.interrupted  # close() interrupts whatever call is left
+    with pytest.raises(RuntimeError, match="runs a single episode"):
+        runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path, command_timeout_sec=30))
 
 
 def test_a_program_that_raises_ends_with_error_and_its_traceback(backend: str, tmp_path: Path) -> None:

@@ -80,11 +80,8 @@ class Scripted(Spy):
 def sandboxed(source: str, workdir: Path, script: list[dict[str, Any]] | None = None, *,
               settings: SandboxSettings = COLD, **kwargs: Any) -> tuple[RunResult, SandboxRuntime]:
     provider = Spy(script or [{"text": "unused"}])
-    runtime = SandboxRuntime(code_doc(source), provider, settings=settings, **kwargs)
-    try:
+    with SandboxRuntime(code_doc(source), provider, settings=settings, **kwargs) as runtime:
         return runtime.run("task", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=30)), runtime
-    finally:
-        runtime.close()
 
 
 def traced(source: str, workdir: Path, script: list[dict[str, Any]] | None = None,

@@ -58,7 +58,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
-from typing import Annotated, Any
+from typing import Annotated, Any, Self
 
 from pydantic import Field
 
@@ -245,10 +245,8 @@ def sandbox_problem() -> str | None:
         runner = _Runner.start(runtime, None, SandboxSettings().memory_mb)
     except OSError as error:
         return f"bubblewrap could not be started: {error}"
-    try:
+    with runner:
         problem = runner.greeted(_START_TIMEOUT_S)
-    finally:
-        runner.close()
     if problem is not None:
         return f"bubblewrap could not start a sandbox (its namespaces): {problem}"
     return None
@@ -261,7 +259,8 @@ class _Runner:
     """One runner: bubblewrap and the program in it, its frames on pipes.
 
     `next` and `send` belong to the thread that serves the episode; `kill` and `wake` may
-    come from any thread; `close` (kill, reap, free) from the thread that serves it.
+    come from any thread; `close` (kill, reap, free) from the thread that serves it, or
+    the end of a `with runner:` block there.
     Everything read from the runner is bounded: a line by `MAX_FRAME_BYTES`, its stderr by
     the tail kept.
     """
@@ -465,6 +464,12 @@ class _Runner:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 def _start_runner(runtime: PythonRuntime, settings: SandboxSettings,
                   started: Callable[[_Runner], None] = lambda runner: None) -> _Runner:
@@ -535,6 +540,7 @@ class _Pool:
                 self._ready.append(runner)
 
     def stop(self) -> None:
+        """Start no more runners, and close the ready ones. Idempotent."""
         with self._wanted:
             self._stopped = True
             ready, self._ready = self._ready, []
@@ -542,11 +548,21 @@ class _Pool:
         for runner in ready:
             runner.close()
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
 
 _STARTS = threading.BoundedSemaphore(8 * (os.cpu_count() or 1))
 _START_POLL_S = 0.05
 _POOLS: dict[SandboxSettings, _Pool] = {}
 _POOLS_LOCK = threading.Lock()
+# The pools live as long as the process: each is entered here when it is made, and
+# stopped (its ready runners killed and reaped) when the process exits.
+_POOLS_LIFETIME = contextlib.ExitStack()
+atexit.register(_POOLS_LIFETIME.close)
 
 
 def _pool(settings: SandboxSettings) -> _Pool | None:
@@ -555,17 +571,8 @@ def _pool(settings: SandboxSettings) -> _Pool | None:
     with _POOLS_LOCK:
         pool = _POOLS.get(settings)
         if pool is None:
-            pool = _POOLS[settings] = _Pool(python_runtime(), settings)
+            pool = _POOLS[settings] = _POOLS_LIFETIME.enter_context(_Pool(python_runtime(), settings))
         return pool
-
-
-@atexit.register
-def _stop_pools() -> None:
-    with _POOLS_LOCK:
-        pools = list(_POOLS.values())
-        _POOLS.clear()
-    for pool in pools:
-        pool.stop()
 
 
 # -- the runtime ----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, Self
 
 import outcome
 
@@ -44,7 +44,8 @@ __all__ = ["DEFAULT_EPISODE_TIMEOUT_S", "EpisodeRuntime", "Runtime", "RuntimeBas
 
 class Runtime(Protocol):
     """One episode's runtime. `run` once, in a worker thread; `abort` and `close` from any
-    thread (`close` idempotent); `log` is readable while `run` goes."""
+    thread (`close` idempotent); `log` is readable while `run` goes. `with runtime:` closes
+    it when the block ends."""
 
     log: EpisodeLog
 
@@ -53,6 +54,10 @@ class Runtime(Protocol):
     def abort(self) -> None: ...
 
     def close(self) -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
 
 
 class RuntimeBase:
@@ -104,12 +109,20 @@ class RuntimeBase:
         self.kill_program()
 
     def close(self) -> None:
+        """Stop whatever is left of the episode (its program, the call in flight) and free
+        what the runtime holds. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self.control.interrupt()
         self.kill_program()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # -- what a runtime whose program runs elsewhere adds ------------------------------------
 
