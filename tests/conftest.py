@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from anthropic_server import AnthropicServer
+from e2b_fake import FakeE2B, Faults
 
 # harbor's job-end telemetry imports litellm: 3-4 s of CPU per harbor run the tests start.
 os.environ.setdefault("HARBOR_TELEMETRY", "0")
@@ -17,6 +18,27 @@ def anthropic_server() -> Iterator[AnthropicServer]:
     """A loopback stand-in for the Anthropic Messages API (see tests/anthropic_server.py)."""
     with AnthropicServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def fake_e2b() -> Iterator[FakeE2B]:
+    """The loopback E2B service (see tests/e2b_fake.py), started once."""
+    with FakeE2B() as service:
+        yield service
+
+
+@pytest.fixture
+def e2b(fake_e2b: FakeE2B, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeE2B]:
+    """The fake E2B, with the SDK's variables pointing at it, its faults cleared, and a
+    check that the test left no sandbox alive."""
+    for name, value in fake_e2b.environment().items():
+        monkeypatch.setenv(name, value)
+    fake_e2b.faults = Faults()
+    before = set(fake_e2b.created)
+    yield fake_e2b
+    fake_e2b.faults = Faults()
+    leaked = [sid for sid in fake_e2b.alive() if sid not in before]
+    assert leaked == [], f"sandboxes left alive: {leaked}"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -361,11 +361,8 @@ INSTRUCTION = "Write 'hello' into greeting.txt, then submit."
 
 def run_episode(provider: Provider, workdir: Path) -> Any:
     workdir.mkdir()
-    runtime = EpisodeRuntime(DOC, provider, episode_timeout_s=60)
-    try:
+    with EpisodeRuntime(DOC, provider, episode_timeout_s=60) as runtime:
         return runtime.run("greeting", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=10))
-    finally:
-        runtime.close()
 
 
 def test_a_recorded_episode_replays_the_same(anthropic_server: AnthropicServer,

@@ -17,21 +17,20 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from doubles import Spy, make_doc, untimed
-from e2b_fake import FakeE2B, Faults
-from test_code_runtime import AGENT, INSTRUCTION, SOLVE, code_doc, text_call
+from doubles import Spy, make_doc
+from e2b_fake import FakeE2B
+from test_backend_contract import call, reply, run_on
+from test_code_runtime import AGENT, INSTRUCTION, code_doc, text_call
 
 from wmo_trio.backends import build_runtime, check_backend
 from wmo_trio.backends.e2b import E2BRuntime, E2BSettings
 from wmo_trio.backends.sandbox import sandbox_problem
 from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
-from wmo_trio.episode.services import ELIDED
-from wmo_trio.harness import HarnessDoc, load_harness
+from wmo_trio.harness import load_harness
 from wmo_trio.models import ActionKind, RunResult, StopReason
 from wmo_trio.providers import build_provider
 
@@ -45,44 +44,8 @@ GRACE_S = E2BSettings().sandbox_grace_s
 RUNNERS = ["e2b"] + (["sandbox"] if sandbox_problem() is None else [])
 
 
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeE2B]:
-    with FakeE2B() as service:
-        yield service
-
-
-@pytest.fixture
-def e2b(fake: FakeE2B, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeE2B]:
-    """The fake, with the SDK's variables pointing at it, its faults cleared, and a check
-    that the test left no sandbox alive."""
-    for name, value in fake.environment().items():
-        monkeypatch.setenv(name, value)
-    fake.faults = Faults()
-    before = set(fake.created)
-    yield fake
-    fake.faults = Faults()
-    leaked = [sid for sid in fake.alive() if sid not in before]
-    assert leaked == [], f"sandboxes left alive: {leaked}"
-
-
-def run_on(backend: str, doc: HarnessDoc, provider: Any, workdir: Path, **kwargs: Any) -> RunResult:
-    runtime = build_runtime(doc, provider, backend=backend, **kwargs)
-    try:
-        return runtime.run("task", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=30))
-    finally:
-        runtime.close()
-
-
 def offline() -> Any:
     return build_provider(OFFLINE)
-
-
-def call(tool: str, **arguments: str) -> dict[str, Any]:
-    return {"name": tool, "arguments": arguments}
-
-
-def reply(*calls: dict[str, Any], text: str = "") -> dict[str, Any]:
-    return {"text": text, "tool_calls": list(calls)}
 
 
 def the_sandbox(fake: FakeE2B, before: int) -> str:
@@ -117,66 +80,6 @@ def test_the_example_task_is_solved_on_each_backend(e2b: FakeE2B, tmp_path: Path
     assert time.monotonic() - started < 30  # ended by its submit, not by the 30 s budget
 
 
-LOOP_CASES: dict[str, tuple[dict[str, Any], list[dict[str, Any]], StopReason]] = {
-    "nudged, then submitted": ({}, [{"text": "hmm"}, reply(call("bash", command="echo hi")),
-                                    reply(call("submit", answer="done"), text="all done")],
-                               StopReason.SUBMITTED),
-    "no tool call": ({}, [{"text": "thinking"}] * 3, StopReason.NO_TOOL_CALL),
-    "unparsed": ({}, [reply({"name": "bash", "arguments": "{not json"})] * 3,
-                 StopReason.UNPARSED_TOOL_CALL),
-    "truncated": ({}, [{"text": "cut off", "finish_reason": "length"}] * 3,
-                  StopReason.OUTPUT_TRUNCATED),
-    "max turns": ({"max_turns": 2}, [reply(call("bash", command="echo 1")), {"text": "more?"}],
-                  StopReason.MAX_TURNS),
-    "several calls in one reply": (
-        {}, [reply(call("bash", command="echo a"), {"name": "bash", "arguments": "oops"},
-                   call("dance"), call("write_file", path="x")),
-             reply(call("submit", answer="ok"))], StopReason.SUBMITTED),
-    "environment budget": ({"max_env_actions": 1},
-                           [reply(call("bash", command="echo 1")), reply(call("bash", command="echo 2")),
-                            reply(call("submit", answer="ok"))], StopReason.SUBMITTED),
-    "context window": ({}, [reply(call("bash", command="head -c 1500 /dev/zero | tr '\\0' x"))] * 3
-                       + [reply(call("submit", answer="ok"))], StopReason.SUBMITTED),
-    "provider error": ({}, [reply(call("bash", command="echo 1")),
-                            {"error": {"kind": "bad_request", "message": "no"}}],
-                       StopReason.PROVIDER_ERROR),
-    "skills": ({"skill": "Take notes."}, [reply(call("read_skill", name="notes")),
-                                         reply(call("read_skill", name="nope")),
-                                         reply(call("submit", answer="ok"))], StopReason.SUBMITTED),
-}
-
-
-@pytest.mark.parametrize("case", list(LOOP_CASES))
-def test_the_built_in_loop_in_a_sandbox_is_the_local_loop(e2b: FakeE2B, tmp_path: Path,
-                                                          case: str) -> None:
-    params, script, expected = LOOP_CASES[case]
-    doc = make_doc(**params)
-    window = 1024 if case == "context window" else None
-    results, requests = {}, {}
-    for backend in ("local", *RUNNERS):
-        spy = Spy(script)
-        (tmp_path / backend).mkdir()
-        results[backend] = run_on(backend, doc, spy, tmp_path / backend, context_window=window)
-        requests[backend] = [request.model_dump() for request in spy.requests]
-    assert results["local"].stop_reason is expected, results["local"].steps
-    if window is not None:  # the case is meant to make the loop elide old tool outputs
-        assert ELIDED in json.dumps(requests["local"])
-    for backend in RUNNERS:
-        result, local = results[backend], results["local"]
-        assert result.model_copy(update={"steps": untimed(result.steps)}) == local.model_copy(
-            update={"steps": untimed(local.steps)}), backend
-        assert requests[backend] == requests["local"], backend
-
-
-@pytest.mark.parametrize("backend", ["local", *RUNNERS])
-def test_a_code_runtime_document_runs_on_each_backend(e2b: FakeE2B, tmp_path: Path,
-                                                      backend: str) -> None:
-    result = run_on(backend, code_doc(AGENT), Spy(SOLVE), tmp_path)
-    assert (result.stop_reason, result.answer) == (StopReason.SUBMITTED, "wrote out/greeting.txt")
-    assert (tmp_path / "out" / "greeting.txt").read_text() == "hi\n"
-    assert [s.action.name for s in result.steps] == ["write_file", "read_file", "submit"]
-
-
 def test_the_program_runs_in_the_sandbox_not_on_the_host(e2b: FakeE2B, tmp_path: Path) -> None:
     marker = f"/tmp/wmo-trio-marker-{uuid.uuid4().hex}"
     source = f"""
@@ -198,39 +101,6 @@ def test_the_program_runs_in_the_sandbox_not_on_the_host(e2b: FakeE2B, tmp_path:
         assert not Path(marker).exists(), "the program wrote to the host's filesystem"
 
 
-def test_a_program_that_raises_in_the_sandbox_ends_as_it_does_locally(e2b: FakeE2B,
-                                                                      tmp_path: Path) -> None:
-    source = """
-    def run(kit):
-        kit.execute("bash", {"command": "echo before"})
-        return {}["missing"]
-    """
-    results = {}
-    for backend in ("local", *RUNNERS):
-        (tmp_path / backend).mkdir()
-        results[backend] = run_on(backend, code_doc(source), Spy([{"text": "x"}]), tmp_path / backend)
-    for result in results.values():
-        assert result.stop_reason is StopReason.ERROR
-        assert [s.observation.content for s in result.steps] == [
-            "before\n", "code:runtime raised KeyError: 'missing'"]
-        assert 'return {}["missing"]' in result.steps[-1].observation.metadata["traceback"]
-
-
-@pytest.mark.parametrize("backend", ["local", *RUNNERS])
-def test_the_host_counts_the_budgets_even_when_the_kit_is_bypassed(e2b: FakeE2B, tmp_path: Path,
-                                                                   backend: str) -> None:
-    # The program is in the runner's interpreter: it can reach the channel behind the kit.
-    source = """
-    def run(kit):
-        for n in range(3):
-            kit._channel.execute("bash", {"command": f"touch file-{n}"}, None, None)
-        return "escaped"
-    """
-    result = run_on(backend, code_doc(source, max_env_actions=2), Spy([{"text": "x"}]), tmp_path)
-    assert result.stop_reason is StopReason.BUDGET
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file-0", "file-1"]
-
-
 FORGED_ENDINGS = {
     "an unknown done reason": ({"type": "done", "stop_reason": "victory", "answer": "x"},
                                StopReason.UNKNOWN_DONE_REASON,
@@ -241,9 +111,6 @@ FORGED_ENDINGS = {
     "a submit the host never saw": ({"type": "done", "stop_reason": "submitted", "answer": "x"},
                                     StopReason.UNKNOWN_DONE_REASON, "with the reason 'submitted'"),
     "an unknown frame type": ({"type": "teleport"}, StopReason.ERROR, "unknown frame type 'teleport'"),
-    "a tool step": ({"type": "step", "step": {"action": {"kind": "tool_call", "name": "bash"},
-                                              "observation": {"content": "faked"}}},
-                    StopReason.ERROR, "may only carry a message step"),
 }
 
 

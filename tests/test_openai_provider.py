@@ -253,11 +253,9 @@ def test_without_a_key_no_authorization_header_is_sent(keyless_server: ChatCompl
     monkeypatch.setenv("OPENAI_API_KEY", "sk-must-not-leak")
     provider = build_provider({"kind": "openai", "model": api.MODEL, "base_url": keyless_server.base_url,
                                "api_key_env": None})
-    try:
+    with provider:
         keyless_server.enqueue(api.text("no key needed"))
         assert provider.complete(request(), CallControl()).text == "no key needed"
-    finally:
-        provider.close()
     assert all("authorization" not in r.headers for r in keyless_server.requests)
 
 
@@ -540,7 +538,8 @@ def test_a_model_is_listed_under_the_names_servers_take_for_it(model: str) -> No
     # Ollama takes `llama3` for the `llama3:latest` it lists; OpenRouter takes `:nitro` and
     # the like on any model it lists.
     with ChatCompletionsServer(models=["llama3:latest", "qwen/qwen3-coder"]) as listing:
-        build_provider(settings(listing, model=model)).close()
+        with build_provider(settings(listing, model=model)):
+            pass
 
 
 @pytest.mark.parametrize("reply", [
@@ -554,8 +553,8 @@ def test_a_model_is_listed_under_the_names_servers_take_for_it(model: str) -> No
 def test_a_model_list_that_cannot_be_read_says_nothing(server: ChatCompletionsServer,
                                                        reply: api.Reply) -> None:
     server.models_reply = reply
-    built = build_provider(settings(server, model="any-model-at-all"))
-    built.close()
+    with build_provider(settings(server, model="any-model-at-all")):
+        pass
 
 
 def test_the_key_is_not_sent_across_a_redirect_to_another_host(
@@ -623,11 +622,8 @@ INSTRUCTION = "Write 'hello' into greeting.txt, then submit."
 
 def run_episode(provider: Provider, workdir: Path) -> RunResult:
     workdir.mkdir()
-    runtime = EpisodeRuntime(DOC, provider, episode_timeout_s=60)
-    try:
+    with EpisodeRuntime(DOC, provider, episode_timeout_s=60) as runtime:
         return runtime.run("greeting", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=10))
-    finally:
-        runtime.close()
 
 
 def test_an_episode_recovers_from_broken_arguments_and_runs_every_call_of_a_reply(

@@ -314,6 +314,14 @@ def test_close_is_idempotent_and_later_calls_fail(wire: Wire, provider: AnyHTTPP
     assert wire.calls == []
 
 
+def test_a_built_provider_is_closed_when_its_with_block_ends(wire: Wire) -> None:
+    with build_provider(wire.settings()) as provider:
+        assert answer(wire, provider, wire.text("inside")).text == "inside"
+    with pytest.raises(ProviderError, match="closed"):
+        provider.complete(request(), CallControl())
+    assert len(wire.calls) == 1
+
+
 # -- configuration ---------------------------------------------------------------------
 
 

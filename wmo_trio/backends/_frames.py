@@ -1,11 +1,13 @@
 """The host's half of the frame protocol (`wmo_trio.episode.portable`), for every backend
 whose runner is a process speaking JSON frames: `e2b` and `sandbox`.
 
-A backend gives `serve_frames` a `RunnerStream` (its runner's lines in, frames out); the
-frames are turned into calls on the episode's `EpisodeServices`, which decide every rule.
-What a runner may send is decided here, once, for both: a frame's shape, the order
-(hello first), and how much a program may make the host keep. Everything a runner sends is
-hostile: a line is parsed within bounds, and a frame that breaks a rule ends the episode.
+A backend gives `serve_frames` a `RunnerStream` (its runner's lines in, frames out); each
+frame is decoded into a call on the episode's `ProgramChannel` (`wmo_trio.episode.channel`),
+which decides what a program may ask for on every backend, the in-process one included,
+and the reply is encoded as a frame. What is decided here is the frames' own: a line is
+parsed within bounds, a frame is a JSON object, the hello comes first, a reply echoes its
+request's `id`. Everything a runner sends is hostile: a frame that breaks a rule ends the
+episode.
 """
 
 from __future__ import annotations
@@ -14,32 +16,21 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ValidationError
-
 from wmo_trio.control import CallControl
+from wmo_trio.episode.channel import ProgramChannel, ProtocolViolation, typed_field
 from wmo_trio.episode.portable import PROTOCOL
 from wmo_trio.episode.services import EpisodeServices
-from wmo_trio.models import Action, ActionKind, Step, StopReason
-from wmo_trio.providers.base import ProviderRequest
+from wmo_trio.models import StopReason
 
 __all__ = ["MAX_FRAME_BYTES", "WAKE", "Exited", "ProtocolViolation", "RunnerStream",
            "TransportFailure", "ended_early", "serve_frames"]
 
 # A frame is a model request or reply: large, but never this large.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
-# Frames that cost neither a model call nor an environment action (refused tools,
-# read_skill) are otherwise free: a program could flood the host's transcript with them.
-MAX_FREE_FRAMES = 4096
-# What a program may make the host record (tool calls' arguments, message steps).
-MAX_RECORDED_BYTES = 64 * 1024 * 1024
 
 
 class TransportFailure(Exception):
     """The runner's side failed: its start, its process, or its byte stream."""
-
-
-class ProtocolViolation(Exception):
-    """The runner sent something the protocol does not allow."""
 
 
 @dataclass(frozen=True)
@@ -78,25 +69,6 @@ class RunnerStream(Protocol):
         """What to record about a runner that ended before its done frame."""
 
 
-def _frame_field(frame: dict[str, Any], name: str, kind: type, *, optional: bool = False) -> Any:
-    value = frame.get(name)
-    if value is None and optional:
-        return None
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ProtocolViolation(f"{frame.get('type')!r} frame: field {name!r} must be "
-                                f"{kind.__name__}, got {type(value).__name__}")
-    return value
-
-
-def _validated[M: BaseModel](model: type[M], data: object, what: str) -> M:
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or what}: {e['msg']}"
-                             for e in error.errors()[:3])
-        raise ProtocolViolation(f"invalid {what}: {problems}") from None
-
-
 def parse_frame(line: str) -> dict[str, Any]:
     """One line as a frame: a JSON object. A line that is not JSON is a broken stream (a
     `TransportFailure`); JSON that is no object, or nested past what the parser takes, is
@@ -113,39 +85,6 @@ def parse_frame(line: str) -> dict[str, Any]:
     return frame
 
 
-class _Allowance:
-    """How much more a program may make the host keep; see the module's constants."""
-
-    def __init__(self, services: EpisodeServices) -> None:
-        self._services = services
-        self._free = 0
-        self._recorded = 0
-        self._steps = 0
-
-    def recorded(self, line: str) -> None:
-        self._recorded += len(line)
-        if self._recorded > MAX_RECORDED_BYTES:
-            raise ProtocolViolation(f"the program sent over {MAX_RECORDED_BYTES} bytes of tool "
-                                    "calls and steps for the host to record")
-
-    def free(self, env_actions_before: int, model_calls_before: int) -> None:
-        services = self._services
-        if (services.env_actions, services.model_calls) != (env_actions_before, model_calls_before):
-            return
-        self._free += 1
-        if self._free > MAX_FREE_FRAMES:
-            raise ProtocolViolation(f"the program sent over {MAX_FREE_FRAMES} frames that call "
-                                    "neither the model nor the environment")
-
-    def step(self) -> None:
-        # The built-in loop records one message per model reply it cannot use, and a
-        # program records at most its own error at the end.
-        self._steps += 1
-        if self._steps > self._services.model_calls + 1:
-            raise ProtocolViolation("the program sent more message steps than it made model "
-                                    "calls (one a reply, and one at its end, at most)")
-
-
 def serve_frames(runner: RunnerStream, services: EpisodeServices,
                  control: CallControl) -> tuple[StopReason, str]:
     """Answer `runner`'s frames until its done frame; the episode's ending.
@@ -154,8 +93,8 @@ def serve_frames(runner: RunnerStream, services: EpisodeServices,
     which raises the ending); every wait goes through `control`. Raises `TransportFailure`
     or `ProtocolViolation` when the runner breaks its side.
     """
+    channel = ProgramChannel(services)
     greeted = False
-    allowance = _Allowance(services)
     while True:
         with control.blocking():
             item = runner.next(control.remaining())
@@ -173,38 +112,22 @@ def serve_frames(runner: RunnerStream, services: EpisodeServices,
                     f"expected a hello frame for protocol {PROTOCOL}, got {item[:200]!r}")
             greeted = True
         elif kind == "complete":
-            frame_id = _frame_field(frame, "id", int)
-            request = _validated(ProviderRequest, frame.get("request"), "model request")
-            response = services.completion(request)
+            frame_id = typed_field("'complete' frame", "id", frame.get("id"), int)
+            response = channel.complete(frame.get("request"))
             with control.blocking():
                 runner.send({"type": "completion", "id": frame_id, "response": response})
         elif kind == "execute":
-            allowance.recorded(item)
-            frame_id = _frame_field(frame, "id", int)
-            action = Action(
-                kind=ActionKind.TOOL_CALL,
-                name=_frame_field(frame, "tool", str),
-                arguments=_frame_field(frame, "arguments", dict, optional=True),
-                content=_frame_field(frame, "content", str, optional=True),
-            )
-            before = services.env_actions, services.model_calls
-            observation = services.execute(
-                action, _frame_field(frame, "parse_error", str, optional=True))
-            allowance.free(*before)
+            frame_id = typed_field("'execute' frame", "id", frame.get("id"), int)
+            observation = channel.execute(frame.get("tool"), frame.get("arguments"),
+                                          frame.get("content"), frame.get("parse_error"))
             with control.blocking():
-                runner.send({"type": "observation", "id": frame_id,
-                             "observation": observation.model_dump(mode="json")})
+                runner.send({"type": "observation", "id": frame_id, "observation": observation})
         elif kind == "step":
-            allowance.recorded(item)
-            allowance.step()
-            step = _validated(Step, frame.get("step"), "step")
-            if step.action.kind is not ActionKind.MESSAGE:
-                raise ProtocolViolation("a step frame may only carry a message step; tool "
-                                        "calls are recorded by the host as it answers them")
-            services.record_step(step.action, step.observation)
+            step = frame.get("step")
+            if not isinstance(step, dict):
+                raise ProtocolViolation(f"a step frame must carry an object, got {step!r:.200}")
+            channel.step(step.get("action"), step.get("observation"))
         elif kind == "done":
-            reason = frame.get("stop_reason")
-            answer = _frame_field(frame, "answer", str, optional=True) or ""
-            return services.finish(reason if isinstance(reason, str) else repr(reason), answer)
+            return channel.done(frame.get("stop_reason"), frame.get("answer"))
         else:
             raise ProtocolViolation(f"unknown frame type {kind!r}")

@@ -18,9 +18,10 @@ from the installed package: the same program an in-process episode runs) and
 stdin open: the *runner*.
 
 Frame protocol (version 2; the host's half is `wmo_trio.backends._frames`, shared with the
-sandbox backend). Each frame is one JSON object on one line: the runner writes
-requests to its stdout, the host answers on its stdin (through envd's SendInput). One
-request is outstanding at a time and every reply echoes its request's `id`.
+sandbox backend, which decodes each request into the `ProgramChannel` every backend
+shares). Each frame is one JSON object on one line: the runner writes requests to its
+stdout, the host answers on its stdin (through envd's SendInput). One request is
+outstanding at a time and every reply echoes its request's `id`.
 
     runner -> host                                        host -> runner
     {"type": "hello", "protocol": 2, "python": "3.11.7"}  (none; must come first)
@@ -49,12 +50,12 @@ partial transcript is kept; the sandbox is killed):
 - the runner died, or its stream broke, before its `done` frame: `error` (transport);
 - a line on the runner's stdout that is not JSON: `error` (transport);
 - a well-formed frame that breaks the protocol (unknown type, bad fields, no hello, a tool
-  step): `error`, never replayed;
+  step): `error`, never replayed, as the same request ends an in-process episode;
 - a `done` frame whose reason is not one the runner may give: `unknown_done_reason`
   (`EpisodeServices.finish` decides which it may give).
 
-Every request is answered by the episode's `EpisodeServices`, under exactly the rules of
-an in-process episode. Cancellation and the wall-clock budget are checked at every frame
+Every request is answered by the episode's `ProgramChannel` and `EpisodeServices`, under
+exactly the rules of an in-process episode. Cancellation and the wall-clock budget are checked at every frame
 (so before every model call and tool call) and interrupt the host-side call in flight;
 `abort()` also kills the sandbox at once, which stops even a program that is busy
 computing.
@@ -87,11 +88,11 @@ from wmo_trio.backends._frames import (
     MAX_FRAME_BYTES,
     WAKE,
     Exited,
-    ProtocolViolation,
     TransportFailure,
     ended_early,
     serve_frames,
 )
+from wmo_trio.episode.channel import ProtocolViolation, refuse
 from wmo_trio.episode.environment import Environment
 from wmo_trio.episode.runtime import RuntimeBase
 from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, episode_mode, episode_spec
@@ -218,19 +219,13 @@ class E2BRuntime(RuntimeBase):
 
     # -- control from other threads -------------------------------------------------------
 
-    def abort(self) -> None:
-        """Stop now: kill the sandbox and interrupt the model or environment call in flight."""
-        super().abort()
+    closing_stops = True
+
+    def kill_program(self) -> None:
+        """Kill the sandbox (which wakes the serving thread too)."""
         self._kill_sandbox()
 
-    def _release(self) -> None:
-        self._kill_sandbox()  # wakes the serving thread too
-
-    def _stopping(self) -> bool:
-        return self._closed or super()._stopping()
-
-    def _interrupt(self) -> None:
-        super()._interrupt()
+    def wake(self) -> None:
         runner = self._runner
         if runner is not None:
             runner.wake()
@@ -289,9 +284,8 @@ class E2BRuntime(RuntimeBase):
                 services.record_error(f"sandbox transport failed: {failure}{why}", **where)
                 return StopReason.ERROR, ""
             except ProtocolViolation as violation:
-                services.record_error(f"the sandbox runner broke the frame protocol: {violation}",
-                                      attempt=attempt, sandbox_id=self._new_sandbox_id(known))
-                return StopReason.ERROR, ""
+                return refuse(services, violation, attempt=attempt,
+                              sandbox_id=self._new_sandbox_id(known))
             finally:
                 self._kill_sandbox()
 
@@ -316,7 +310,7 @@ class E2BRuntime(RuntimeBase):
         with self._lock:
             self._sandbox = sandbox
             self.sandbox_ids.append(sandbox.sandbox_id)
-        if self._stopping():  # aborted while the creation was in flight
+        if self.stopping():  # aborted while the creation was in flight
             self._kill_sandbox()
             services.boundary()
         return sandbox
@@ -343,7 +337,4 @@ class E2BRuntime(RuntimeBase):
         runner = _RunnerProcess(sandbox, handle, self.settings.request_timeout_s)
         with self._lock:
             self._runner = runner
-        return self._serve(runner, services)
-
-    def _serve(self, runner: _RunnerProcess, services: EpisodeServices) -> tuple[StopReason, str]:
         return serve_frames(runner, services, self.control)

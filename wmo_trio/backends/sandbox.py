@@ -58,7 +58,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
-from typing import Annotated, Any
+from typing import Annotated, Any, Self
 
 from pydantic import Field
 
@@ -66,11 +66,11 @@ from wmo_trio.backends._frames import (
     MAX_FRAME_BYTES,
     WAKE,
     Exited,
-    ProtocolViolation,
     TransportFailure,
     ended_early,
     serve_frames,
 )
+from wmo_trio.episode.channel import ProtocolViolation, refuse
 from wmo_trio.episode.environment import Environment
 from wmo_trio.episode.runtime import RuntimeBase
 from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, episode_spec
@@ -245,10 +245,8 @@ def sandbox_problem() -> str | None:
         runner = _Runner.start(runtime, None, SandboxSettings().memory_mb)
     except OSError as error:
         return f"bubblewrap could not be started: {error}"
-    try:
+    with runner:
         problem = runner.greeted(_START_TIMEOUT_S)
-    finally:
-        runner.close()
     if problem is not None:
         return f"bubblewrap could not start a sandbox (its namespaces): {problem}"
     return None
@@ -261,7 +259,8 @@ class _Runner:
     """One runner: bubblewrap and the program in it, its frames on pipes.
 
     `next` and `send` belong to the thread that serves the episode; `kill` and `wake` may
-    come from any thread; `close` (kill, reap, free) from the thread that serves it.
+    come from any thread; `close` (kill, reap, free) from the thread that serves it, or
+    the end of a `with runner:` block there.
     Everything read from the runner is bounded: a line by `MAX_FRAME_BYTES`, its stderr by
     the tail kept.
     """
@@ -465,6 +464,12 @@ class _Runner:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 def _start_runner(runtime: PythonRuntime, settings: SandboxSettings,
                   started: Callable[[_Runner], None] = lambda runner: None) -> _Runner:
@@ -535,6 +540,7 @@ class _Pool:
                 self._ready.append(runner)
 
     def stop(self) -> None:
+        """Start no more runners, and close the ready ones. Idempotent."""
         with self._wanted:
             self._stopped = True
             ready, self._ready = self._ready, []
@@ -542,11 +548,21 @@ class _Pool:
         for runner in ready:
             runner.close()
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
 
 _STARTS = threading.BoundedSemaphore(8 * (os.cpu_count() or 1))
 _START_POLL_S = 0.05
 _POOLS: dict[SandboxSettings, _Pool] = {}
 _POOLS_LOCK = threading.Lock()
+# The pools live as long as the process: each is entered here when it is made, and
+# stopped (its ready runners killed and reaped) when the process exits.
+_POOLS_LIFETIME = contextlib.ExitStack()
+atexit.register(_POOLS_LIFETIME.close)
 
 
 def _pool(settings: SandboxSettings) -> _Pool | None:
@@ -555,17 +571,8 @@ def _pool(settings: SandboxSettings) -> _Pool | None:
     with _POOLS_LOCK:
         pool = _POOLS.get(settings)
         if pool is None:
-            pool = _POOLS[settings] = _Pool(python_runtime(), settings)
+            pool = _POOLS[settings] = _POOLS_LIFETIME.enter_context(_Pool(python_runtime(), settings))
         return pool
-
-
-@atexit.register
-def _stop_pools() -> None:
-    with _POOLS_LOCK:
-        pools = list(_POOLS.values())
-        _POOLS.clear()
-    for pool in pools:
-        pool.stop()
 
 
 # -- the runtime ----------------------------------------------------------------------------
@@ -586,28 +593,19 @@ class SandboxRuntime(RuntimeBase):
         self.settings = settings or SandboxSettings()
         self._runner: _Runner | None = None
 
-    def abort(self) -> None:
-        """Stop now: kill the sandbox and interrupt the model or environment call in flight."""
-        super().abort()
-        self._kill()
+    closing_stops = True
 
-    def _release(self) -> None:
-        self._kill()
-
-    def _stopping(self) -> bool:
-        return self._closed or super()._stopping()
-
-    def _interrupt(self) -> None:
-        super()._interrupt()
-        runner = self._runner
-        if runner is not None:
-            runner.wake()
-
-    def _kill(self) -> None:
+    def kill_program(self) -> None:
+        """Kill the sandbox: a signal, quick from any thread."""
         with self._lock:
             runner = self._runner
         if runner is not None:
             runner.kill()
+
+    def wake(self) -> None:
+        runner = self._runner
+        if runner is not None:
+            runner.wake()
 
     def run(self, task_id: str, instruction: str, environment: Environment) -> RunResult:
         with self._episode(environment):
@@ -636,8 +634,7 @@ class SandboxRuntime(RuntimeBase):
             services.record_error(f"sandbox transport failed: {failure}")
             return StopReason.ERROR, ""
         except ProtocolViolation as violation:
-            services.record_error(f"the sandbox runner broke the frame protocol: {violation}")
-            return StopReason.ERROR, ""
+            return refuse(services, violation)
 
     def _start(self) -> _Runner:
         pool = _pool(self.settings)
@@ -649,7 +646,7 @@ class SandboxRuntime(RuntimeBase):
             # A burst starts its runners a few at a time: all at once, every one of them
             # waits for the whole burst's CPU.
             while not _STARTS.acquire(timeout=_START_POLL_S):
-                if self._stopping():
+                if self.stopping():
                     raise TransportFailure("the episode stopped before its sandbox started")
             try:
                 return _start_runner(python_runtime(), self.settings, self._hold)
@@ -663,7 +660,7 @@ class SandboxRuntime(RuntimeBase):
             previous, self._runner = self._runner, runner
         if previous is not None:  # a start tried again
             previous.close()
-        if self._stopping():  # aborted while it started
+        if self.stopping():  # aborted while it started
             runner.kill()
 
 

@@ -6,8 +6,8 @@ either the built-in tool-calling loop (`run_loop`) or a document's `code:runtime
 every call, counts the budgets, records the steps and may end the episode at any call.
 The same program runs in both places an episode can run:
 
-- in-process (`wmo_trio.episode.runtime.EpisodeRuntime`), over a channel that calls the
-  host's services directly;
+- in-process (`wmo_trio.episode.runtime.EpisodeRuntime`), its channel the host's end
+  itself (`wmo_trio.episode.channel.ProgramChannel`);
 - in an E2B sandbox (`wmo_trio.backends.e2b`), which uploads this very file and starts it
   as `python3 -I portable.py EPISODE_JSON`; the channel is then JSON frames on the
   process's stdin and stdout (`HostChannel`);

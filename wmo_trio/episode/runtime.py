@@ -5,13 +5,15 @@ returns a `RunResult` for every ending. Everything that can stop it from outside
 (`abort()`, `should_cancel`, the wall-clock budget) ends it at its next boundary and
 interrupts the call in flight, so the worker returns promptly.
 
-`EpisodeRuntime` runs the episode's program (`wmo_trio.episode.portable`: the built-in loop,
-or a `code:runtime` document's code) in this process, over a channel straight to the
-host's `EpisodeServices`. **A `code:runtime` program then runs with the full rights of this
-process** (it can read and write any file, open connections, and ignore the kit): use it
-only for code you wrote or reviewed; an optimizer's mutated code belongs on the `e2b`
-backend, which runs the same program in a sandbox. In-process, cancellation cannot stop a
-program that computes without calling the kit.
+`EpisodeRuntime` runs the episode's program (`wmo_trio.episode.portable`: the built-in
+loop, or a `code:runtime` document's code) in this process; it talks to the host through a
+`ProgramChannel` (`wmo_trio.episode.channel`), the host's end every backend decodes its
+frames into, so a request gets the same answer here as in a sandbox. **A `code:runtime`
+program then runs with the full rights of this process** (it can read and write any file,
+open connections, and ignore the kit): use it only for code you wrote or reviewed; an
+optimizer's mutated code belongs on the `e2b` backend, which runs the same program in a
+sandbox. In-process, cancellation cannot stop a program that computes without calling the
+kit.
 """
 
 from __future__ import annotations
@@ -21,19 +23,20 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import ClassVar, Protocol, Self
 
 import outcome
 
 from wmo_trio.control import CallControl
+from wmo_trio.episode.channel import ProgramChannel, ProtocolViolation, refuse
 from wmo_trio.episode.deadlines import DEADLINES
 from wmo_trio.episode.environment import Environment, Interruptible
 from wmo_trio.episode.log import EpisodeLog
 from wmo_trio.episode.portable import run_episode
 from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, episode_spec
 from wmo_trio.harness import HarnessDoc
-from wmo_trio.models import Action, ActionKind, Observation, RunResult, Step, StopReason, count_tool_steps
-from wmo_trio.providers.base import Message, Provider, ProviderRequest, ToolSpec
+from wmo_trio.models import RunResult, StopReason, count_tool_steps
+from wmo_trio.providers.base import Provider
 from wmo_trio.settings import DEFAULT_EPISODE_TIMEOUT_S, EpisodeSettings
 
 __all__ = ["DEFAULT_EPISODE_TIMEOUT_S", "EpisodeRuntime", "Runtime", "RuntimeBase", "RuntimeEpisode"]
@@ -41,7 +44,8 @@ __all__ = ["DEFAULT_EPISODE_TIMEOUT_S", "EpisodeRuntime", "Runtime", "RuntimeBas
 
 class Runtime(Protocol):
     """One episode's runtime. `run` once, in a worker thread; `abort` and `close` from any
-    thread (`close` idempotent); `log` is readable while `run` goes."""
+    thread (`close` idempotent); `log` is readable while `run` goes. `with runtime:` closes
+    it when the block ends."""
 
     log: EpisodeLog
 
@@ -51,6 +55,10 @@ class Runtime(Protocol):
 
     def close(self) -> None: ...
 
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
 
 class RuntimeBase:
     """What every runtime shares: one episode of one document, stoppable from any thread.
@@ -58,7 +66,8 @@ class RuntimeBase:
     `abort()` stops it at its next boundary and interrupts the call in flight; `close()`
     is idempotent; the wall-clock budget interrupts like an abort but ends the episode
     with `budget`. Every wait goes through `control` (see `wmo_trio.control`). Subclasses
-    implement `run` inside `self._episode(environment)`.
+    implement `run` inside `self._episode(environment)`; one whose program runs elsewhere
+    (a sandbox) implements `kill_program` and `wake`, and sets `closing_stops`.
     """
 
     def __init__(
@@ -87,32 +96,57 @@ class RuntimeBase:
         self._environment: Environment | None = None
         self._lock = threading.Lock()
 
+    # Whether `close()` during a run ends the episode as cancelled at its next boundary
+    # (a runtime whose program runs elsewhere: closing it kills the program).
+    closing_stops: ClassVar[bool] = False
+
     # -- control from other threads -------------------------------------------------------
 
     def abort(self) -> None:
         """Stop at the next boundary and make the call in flight return as soon as it can."""
         self._aborted = True
         self._interrupt()
+        self.kill_program()
 
     def close(self) -> None:
+        """Stop whatever is left of the episode (its program, the call in flight) and free
+        what the runtime holds. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self.control.interrupt()
-        self._release()
+        self.kill_program()
 
-    def _release(self) -> None:
-        """What a subclass frees on close."""
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- what a runtime whose program runs elsewhere adds ------------------------------------
+
+    def kill_program(self) -> None:
+        """End the program where it runs, at once (abort and close); nothing to kill when
+        it runs in this thread. Called from any thread, more than once."""
+
+    def wake(self) -> None:
+        """Make the thread that serves the program look at its boundaries (abort and the
+        wall-clock budget); called from any thread."""
+
+    # -- stopping -------------------------------------------------------------------------
 
     def _interrupt(self) -> None:
         self.control.interrupt()
         environment = self._environment
         if isinstance(environment, Interruptible):
             environment.interrupt()
+        self.wake()
 
-    def _stopping(self) -> bool:
-        return self._aborted or self._should_cancel()
+    def stopping(self) -> bool:
+        """Whether the episode ends at its next boundary: aborted, cancelled, or closed
+        (where `closing_stops`)."""
+        return self._aborted or self._should_cancel() or (self.closing_stops and self._closed)
 
     # -- the episode's frame ---------------------------------------------------------------
 
@@ -134,7 +168,7 @@ class RuntimeBase:
     def _services(self, environment: Environment) -> EpisodeServices:
         return EpisodeServices(
             self.doc, self.provider, self.log, self.control, environment,
-            stopping=self._stopping, episode_timeout_s=self.episode_timeout_s,
+            stopping=self.stopping, episode_timeout_s=self.episode_timeout_s,
             context_window=self.context_window,
         )
 
@@ -157,61 +191,18 @@ class EpisodeRuntime(RuntimeBase):
             services = self._services(environment)
             spec = episode_spec(self.doc, task_id=task_id, instruction=instruction,
                                 context_window=self.context_window)
+            channel = ProgramChannel(services)
             try:
                 services.boundary()  # aborted before the worker even started
-                ended = run_episode(spec, _LocalChannel(services))
+                ended = run_episode(spec, channel)
                 if ended["step"] is not None:
-                    step = Step.model_validate(ended["step"])
-                    services.record_step(step.action, step.observation)
-                reason, answer = services.finish(ended["stop_reason"], ended["answer"])
+                    channel.step(ended["step"]["action"], ended["step"]["observation"])
+                reason, answer = channel.done(ended["stop_reason"], ended["answer"])
             except EpisodeEnded as ending:
                 reason, answer = ending.reason, ending.answer
+            except ProtocolViolation as violation:
+                reason, answer = refuse(services, violation)
         return self._result(task_id, reason, answer)
-
-
-class _LocalChannel:
-    """The program's channel when it runs in this process: straight to the services.
-
-    A program re-sends the whole conversation every turn; the messages it sent before
-    (the same objects, in the same places) and its tool list are turned into models once,
-    so a turn costs what is new in it."""
-
-    def __init__(self, services: EpisodeServices) -> None:
-        self._services = services
-        self._sent: tuple[list[dict[str, Any]], list[Message]] = ([], [])
-        self._tools: tuple[object, list[ToolSpec]] | None = None
-
-    def complete(self, request: dict[str, Any]) -> dict[str, Any]:
-        tools = request["tools"]
-        if self._tools is None or self._tools[0] is not tools:
-            self._tools = (tools, [ToolSpec.model_validate(t) for t in tools])
-        return self._services.completion(ProviderRequest(
-            system=request["system"],
-            messages=self._messages(request["messages"]),
-            tools=self._tools[1],
-            max_output_tokens=request["max_output_tokens"],
-            temperature=request["temperature"],
-        ))
-
-    def _messages(self, sent: list[dict[str, Any]]) -> list[Message]:
-        before, models = self._sent
-        kept = 0
-        for new, old in zip(sent, before, strict=False):
-            if new is not old:
-                break
-            kept += 1
-        models = models[:kept] + [Message.model_validate(data) for data in sent[kept:]]
-        self._sent = (sent, models)
-        return models
-
-    def execute(self, tool: str, arguments: dict[str, Any] | None, content: str | None,
-                parse_error: str | None) -> dict[str, Any]:
-        action = Action(kind=ActionKind.TOOL_CALL, name=tool, arguments=arguments, content=content)
-        return self._services.execute(action, parse_error).model_dump(mode="json")
-
-    def step(self, action: dict[str, Any], observation: dict[str, Any]) -> None:
-        self._services.record_step(Action.model_validate(action),
-                                   Observation.model_validate(observation))
 
 
 class RuntimeEpisode(ABC):

@@ -20,6 +20,7 @@ from wmo_trio.providers.base import (
     CallControl,
     FinishReason,
     Message,
+    OwnedProvider,
     Provider,
     ProviderConfig,
     ProviderConfigError,
@@ -38,6 +39,7 @@ __all__ = [
     "CallControl",
     "FinishReason",
     "Message",
+    "OwnedProvider",
     "Provider",
     "ProviderConfig",
     "ProviderConfigError",
@@ -102,14 +104,15 @@ def provider_class(kind: str) -> Any:
 
 def build_provider(
     data: ProviderConfig | Mapping[str, Any], *, with_retries: bool = True
-) -> Provider:
-    """A ready provider for `data`, wrapped in the retry policy unless told otherwise.
+) -> OwnedProvider:
+    """A ready provider for `data`, wrapped in the retry policy unless told otherwise; the
+    caller owns it (`with build_provider(data) as provider:` closes it).
 
     The kind's `from_config` checks every setting, the generic ones (`retry`, `record`)
     included; they are then applied here, around the provider.
     """
     config = parse_provider_config(data)
-    provider: Provider = provider_class(config.kind).from_config(config)
+    provider: OwnedProvider = provider_class(config.kind).from_config(config)
     generic = ProviderSettings.model_validate(
         {name: value for name, value in config.settings.items() if name in ProviderSettings.model_fields})
     if generic.record is not None:

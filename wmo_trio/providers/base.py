@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from enum import StrEnum
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, Self, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -245,3 +245,25 @@ class Provider(Protocol):
         """Release the provider's resources. Idempotent."""
         ...
 
+
+class OwnedProvider(Provider, Protocol):
+    """A provider its holder owns: `with build_provider(config) as provider:` closes it
+    when the block ends, as `with httpx.Client()` does."""
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
+
+class ClosesOnExit:
+    """What makes a provider class an `OwnedProvider`: `with provider:` calls its
+    (idempotent) `close()` when the block ends."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -43,6 +43,7 @@ from wmo_trio.control import CallInterrupted
 from wmo_trio.models import JsonObject
 from wmo_trio.providers.base import (
     CallControl,
+    ClosesOnExit,
     ProviderConfig,
     ProviderError,
     ProviderInterrupted,
@@ -117,7 +118,7 @@ def token_count(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-class HTTPProvider[S: HTTPSettings](ABC):
+class HTTPProvider[S: HTTPSettings](ClosesOnExit, ABC):
     """The call path of a provider whose model is behind an HTTP API and an async
     Stainless SDK. Safe to call from many worker threads at once.
 

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 from wmo_trio.models import TokenUsage
 from wmo_trio.providers.base import (
     CallControl,
+    ClosesOnExit,
     Provider,
     ProviderConfigError,
     ProviderError,
@@ -47,7 +48,7 @@ def call_key(request: ProviderRequest) -> str:
     return f"{digest.hexdigest()}:{turn}"
 
 
-class RecordingProvider:
+class RecordingProvider(ClosesOnExit):
     """Passes calls through to `inner` and appends each call to a JSONL file."""
 
     def __init__(self, inner: Provider, path: str | Path) -> None:

@@ -20,6 +20,7 @@ from typing import Self
 from wmo_trio.models import TokenUsage
 from wmo_trio.providers.base import (
     CallControl,
+    ClosesOnExit,
     Provider,
     ProviderError,
     ProviderInterrupted,
@@ -57,7 +58,7 @@ class RetryPolicy:
         return self.rng.uniform(0.0, ceiling)
 
 
-class RetryingProvider:
+class RetryingProvider(ClosesOnExit):
     """A provider that retries its inner provider's retryable failures under a policy."""
 
     def __init__(self, inner: Provider, policy: RetryPolicy) -> None:

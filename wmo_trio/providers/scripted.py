@@ -30,6 +30,7 @@ from wmo_trio.file_cache import parse_file_once
 from wmo_trio.models import TokenUsage
 from wmo_trio.providers.base import (
     CallControl,
+    ClosesOnExit,
     FinishReason,
     ProviderConfig,
     ProviderConfigError,
@@ -88,7 +89,7 @@ def estimated_usage(request: ProviderRequest, reply_text: str,
                       calls=1)
 
 
-class ScriptedProvider:
+class ScriptedProvider(ClosesOnExit):
     """Plays scripted replies; see the module docstring for the sources and the usage estimate.
 
     Settings (`ScriptedSettings`): `script` (list or path), `replay` (path), `latency_s`
