@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from processes import running, when_written
 
 from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
-from wmo_trio.episode.services import NUDGES
+from wmo_trio.episode.services import NUDGES, PrefixMemo
 from wmo_trio.episode.tools import MAX_OBSERVATION_CHARS
 from wmo_trio.models import Action, ActionKind, Observation, StopReason
 from wmo_trio.providers import (
@@ -404,3 +404,14 @@ def test_every_observation_is_capped_whatever_produced_it(tmp_path: Path, path: 
         for message in request.messages:
             if message.role == "tool":
                 assert len(message.content) <= MAX_OBSERVATION_CHARS, path
+
+
+def test_a_prefix_memo_maps_each_new_item_once_and_sees_a_list_changed_in_place() -> None:
+    seen: list[str] = []
+    memo = PrefixMemo[str, str](lambda item: seen.append(item) or item.upper())
+    sent = ["a", "b"]
+    assert memo(sent) == ["A", "B"]
+    sent.append("c")  # the same list, grown in place
+    assert memo(sent) == ["A", "B", "C"] and seen == ["a", "b", "c"]
+    sent[1] = "x"  # an item replaced: it and what follows are mapped again
+    assert memo(sent) == ["A", "X", "C"] and seen == ["a", "b", "c", "x", "c"]

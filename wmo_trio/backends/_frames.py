@@ -21,6 +21,7 @@ from wmo_trio.episode.portable import PROTOCOL
 from wmo_trio.episode.services import EpisodeServices
 from wmo_trio.models import Action, ActionKind, Step, StopReason
 from wmo_trio.providers.base import ProviderRequest
+from wmo_trio.settings import validation_problem
 
 __all__ = ["MAX_FRAME_BYTES", "WAKE", "Exited", "ProtocolViolation", "RunnerStream",
            "TransportFailure", "ended_early", "serve_frames"]
@@ -92,8 +93,7 @@ def _validated[M: BaseModel](model: type[M], data: object, what: str) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or what}: {e['msg']}"
-                             for e in error.errors()[:3])
+        problems = validation_problem(error, whole=what, most=3)
         raise ProtocolViolation(f"invalid {what}: {problems}") from None
 
 

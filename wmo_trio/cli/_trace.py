@@ -23,6 +23,7 @@ from rich.text import Text
 from wmo_trio.cli._run import BadInput
 from wmo_trio.cli._text import visible
 from wmo_trio.models import ActionKind, Step
+from wmo_trio.settings import validation_problem
 from wmo_trio.trace import TRACE_FILENAME, PartialTrace, Trace, parse_trace
 
 MAX_TRACE_BYTES = 64 * 2**20
@@ -82,13 +83,6 @@ def _trial_outcome(trace_path: Path) -> TrialOutcome | None:
                         str(exception) if exception else None)
 
 
-def _first_problem(error: pydantic.ValidationError) -> str:
-    first = error.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "the document"
-    more = error.error_count() - 1
-    return f"{where}: {first['msg']}" + (f" (and {more} more problems)" if more else "")
-
-
 def _what_else(data: object) -> tuple[str, Path] | None:
     """For harbor's own JSON files: what the file is, and where its trial's trace lies
     relative to the file's directory."""
@@ -109,7 +103,7 @@ def load(path: Path, *, follow: bool = True) -> Trace:
         return parse_trace(read_bounded(path, MAX_TRACE_BYTES, follow=follow))
     except pydantic.ValidationError as error:
         raise BadInput(f"{path} is not a wmo_trio trace ({TRACE_FILENAME}): "
-                       f"{_first_problem(error)}") from None
+                       f"{validation_problem(error, whole='the document', most=1)}") from None
     except (OSError, ValueError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else error
         raise BadInput(f"{path} is not a wmo_trio trace ({TRACE_FILENAME}): {reason}") from None

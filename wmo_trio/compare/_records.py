@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from wmo_trio.harness import DocumentForm, document_form
+from wmo_trio.settings import validation_problem
 
 if TYPE_CHECKING:
     from wmo_trio.harness import HarnessDoc
@@ -141,7 +142,7 @@ def load_job(job_dir: Path) -> list[TrialRecord]:
         JobConfig.model_validate_json(read_bounded(config, RESULT_LIMIT))
     except ValidationError as error:
         raise CompareError(f"{config} is not a harbor job configuration: "
-                           f"{error.errors()[0]['msg']}") from None
+                           f"{validation_problem(error, most=1)}") from None
     records = []
     with os.scandir(job_dir) as entries:
         trial_dirs = sorted(Path(e.path) for e in entries if e.is_dir(follow_symlinks=False))
@@ -165,7 +166,7 @@ def _trial_record(path: Path, *, source: str) -> TrialRecord | None:
         trial = TrialResult.model_validate_json(read_bounded(path, RESULT_LIMIT))
     except ValidationError as error:
         raise CompareError(f"{path} is not a harbor trial result: "
-                           f"{error.errors()[0]['msg']}") from None
+                           f"{validation_problem(error, most=1)}") from None
     if trial.finished_at is None:
         return None  # still running
     candidate, name = _candidate(trial, path.parent)

@@ -35,6 +35,7 @@ from wmo_trio.episode.tools import (
 )
 from wmo_trio.models import Action, ActionKind, Observation
 from wmo_trio.settings import MAX_COMMAND_TIMEOUT_SEC, CommandTimeout, checked
+from wmo_trio.text import has_lone_surrogate
 
 
 def check_command_timeout(value: object, *, name: str = "command_timeout_sec") -> int:
@@ -156,12 +157,11 @@ class ShellEnvironment(ABC):
         if tool == "read_file":
             return command_observation(*self.run_command(f"cat -- {shlex.quote(arguments['path'])}"))
         path, content = arguments["path"], arguments["content"]
-        try:
-            data = content.encode("utf-8")
-        except UnicodeEncodeError:
+        if has_lone_surrogate(content):
             return invalid_arguments(
                 "write_file", "content holds an unpaired surrogate and is not valid text"
             )
+        data = content.encode("utf-8")
         self.write_file_bytes(path, data)
         return Observation(content=f"wrote {path}", metadata={"bytes": len(data)})
 

@@ -30,7 +30,7 @@ from wmo_trio.episode.deadlines import DEADLINES
 from wmo_trio.episode.environment import Environment, Interruptible
 from wmo_trio.episode.log import EpisodeLog
 from wmo_trio.episode.portable import run_episode
-from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, episode_spec
+from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, PrefixMemo, episode_spec
 from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import Action, ActionKind, Observation, RunResult, Step, StopReason, count_tool_steps
 from wmo_trio.providers.base import Message, Provider, ProviderRequest, ToolSpec
@@ -173,12 +173,12 @@ class _LocalChannel:
     """The program's channel when it runs in this process: straight to the services.
 
     A program re-sends the whole conversation every turn; the messages it sent before
-    (the same objects, in the same places) and its tool list are turned into models once,
-    so a turn costs what is new in it."""
+    (`PrefixMemo`) and its tool list are turned into models once, so a turn costs what is
+    new in it."""
 
     def __init__(self, services: EpisodeServices) -> None:
         self._services = services
-        self._sent: tuple[list[dict[str, Any]], list[Message]] = ([], [])
+        self._messages = PrefixMemo[dict[str, Any], Message](Message.model_validate)
         self._tools: tuple[object, list[ToolSpec]] | None = None
 
     def complete(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -192,17 +192,6 @@ class _LocalChannel:
             max_output_tokens=request["max_output_tokens"],
             temperature=request["temperature"],
         ))
-
-    def _messages(self, sent: list[dict[str, Any]]) -> list[Message]:
-        before, models = self._sent
-        kept = 0
-        for new, old in zip(sent, before, strict=False):
-            if new is not old:
-                break
-            kept += 1
-        models = models[:kept] + [Message.model_validate(data) for data in sent[kept:]]
-        self._sent = (sent, models)
-        return models
 
     def execute(self, tool: str, arguments: dict[str, Any] | None, content: str | None,
                 parse_error: str | None) -> dict[str, Any]:
