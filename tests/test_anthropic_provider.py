@@ -361,7 +361,7 @@ INSTRUCTION = "Write 'hello' into greeting.txt, then submit."
 
 def run_episode(provider: Provider, workdir: Path) -> Any:
     workdir.mkdir()
-    runtime = EpisodeRuntime(DOC, provider, episode_timeout_s=60)
+    runtime = EpisodeRuntime(DOC, provider, episode_timeout_sec=60)
     try:
         return runtime.run("greeting", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=10))
     finally:

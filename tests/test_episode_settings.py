@@ -87,9 +87,9 @@ def test_a_runtime_built_directly_refuses_a_bad_context_window(value: Any) -> No
         EpisodeRuntime(parse_harness(DOC), build_provider(OFFLINE), context_window=value)
 
 
-def test_a_runtime_built_directly_names_its_own_timeout_argument() -> None:
-    with pytest.raises(ValueError, match=r"^episode_timeout_s must be a finite positive number"):
-        EpisodeRuntime(parse_harness(DOC), build_provider(OFFLINE), episode_timeout_s=0)
+def test_a_runtime_built_directly_names_the_budget_as_the_agent_does() -> None:
+    with pytest.raises(ValueError, match=r"^episode_timeout_sec must be a finite positive number"):
+        EpisodeRuntime(parse_harness(DOC), build_provider(OFFLINE), episode_timeout_sec=0)
 
 
 @pytest.mark.parametrize("value", [0, -1, math.nan, True, "30"])

@@ -48,7 +48,7 @@ from wmo_trio.harness import HarnessDoc, harness_from
 from wmo_trio.models import RunResult
 from wmo_trio.providers import Provider, ProviderConfig, build_provider
 from wmo_trio.settings import (
-    DEFAULT_EPISODE_TIMEOUT_S,
+    DEFAULT_EPISODE_TIMEOUT_SEC,
     MAX_COMMAND_TIMEOUT_SEC,
     EpisodeSettings,
     PositiveInt,
@@ -165,7 +165,7 @@ class EpisodeSpec:
     instruction: str
     environment: TrioEnvironment
     task_id: str = "episode"
-    episode_timeout: float = DEFAULT_EPISODE_TIMEOUT_S
+    episode_timeout: float = DEFAULT_EPISODE_TIMEOUT_SEC
     trace_path: str | Path | None = None
     context_window: int | None = None
     backend: str | None = None
@@ -187,7 +187,7 @@ class _PoolEpisode(RuntimeEpisode):
               should_cancel: Callable[[], bool]) -> tuple[Runtime, Environment]:
         runtime = build_runtime(
             self.doc, self.provider, control=control, backend=self.backend,
-            episode_timeout_s=self.settings.episode_timeout_sec,
+            episode_timeout_sec=self.settings.episode_timeout_sec,
             should_cancel=should_cancel, context_window=self.settings.context_window,
         )
         return runtime, _TrioEnvironmentAdapter(self.spec.environment, control)
@@ -294,7 +294,7 @@ class EpisodePool:
         environment: TrioEnvironment,
         *,
         task_id: str = "episode",
-        episode_timeout: float = DEFAULT_EPISODE_TIMEOUT_S,
+        episode_timeout: float = DEFAULT_EPISODE_TIMEOUT_SEC,
         trace_path: str | Path | None = None,
         context_window: int | None = None,
         backend: str | None = None,

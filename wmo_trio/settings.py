@@ -22,7 +22,7 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 from wmo_trio.text import show
 
 MAX_COMMAND_TIMEOUT_SEC = 240
-DEFAULT_EPISODE_TIMEOUT_S = 300.0
+DEFAULT_EPISODE_TIMEOUT_SEC = 300.0
 MIN_CONTEXT_WINDOW = 1024
 
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False,
@@ -59,14 +59,14 @@ class Settings(BaseModel):
 class EpisodeSettings(Settings):
     """One episode's limits, checked by these rules however the episode is started.
 
-    The harbor agent takes them as `episode_timeout_sec` and `context_window`; the research
-    API calls the budget `episode_timeout`, a runtime `episode_timeout_s`. Those are aliases
-    of one field, so that a failure names the argument its caller was given.
+    The harbor agent takes them as `episode_timeout_sec` and `context_window`, and so does
+    every runtime; the research API's keyword for the budget is `episode_timeout`, an alias
+    of the one field, so that a failure names the argument its caller was given.
     """
 
     episode_timeout_sec: PositiveSeconds = Field(
-        default=DEFAULT_EPISODE_TIMEOUT_S,
-        validation_alias=AliasChoices("episode_timeout_sec", "episode_timeout", "episode_timeout_s"))
+        default=DEFAULT_EPISODE_TIMEOUT_SEC,
+        validation_alias=AliasChoices("episode_timeout_sec", "episode_timeout"))
     context_window: ContextWindow = None
 
 

@@ -98,10 +98,10 @@ def run(
     provider_config: Annotated[str | None, typer.Option(
         "--provider-config", help="Extra provider settings as a JSON object, e.g. "
         '\'{"base_url": "http://localhost:8000/v1", "api_key_env": null}\'.')] = None,
-    episode_timeout: Annotated[float, typer.Option("--episode-timeout",
+    episode_timeout_sec: Annotated[float, typer.Option("--episode-timeout",
                                                    help="Episode wall-clock budget, seconds.")]
     = 300.0,
-    command_timeout: Annotated[int, typer.Option("--command-timeout",
+    command_timeout_sec: Annotated[int, typer.Option("--command-timeout",
                                                  help="Per-command timeout, 1..240 s.")] = 240,
     backend: Annotated[str | None, typer.Option(
         "--backend", help="Where the episode's program runs: local, e2b or sandbox. Default: "
@@ -135,8 +135,8 @@ def run(
     options = RunOptions(
         paths=path or [examples_dir() / "tasks"], concurrency=concurrency, attempts=attempts,
         jobs_dir=jobs_dir, job_name=job_name, environment=environment, harness=harness,
-        model=model, provider_settings=settings, episode_timeout=episode_timeout,
-        command_timeout=command_timeout, backend=backend,
+        model=model, provider_settings=settings, episode_timeout_sec=episode_timeout_sec,
+        command_timeout_sec=command_timeout_sec, backend=backend,
     )
     refused: BadInput | None = None
     # Loading harbor takes seconds the first time: say so at once rather than sit silent

@@ -211,7 +211,7 @@ class EpisodeServices:
 
     def __init__(self, doc: HarnessDoc, provider: Provider, log: EpisodeLog,
                  control: CallControl, environment: Environment, *,
-                 stopping: Callable[[], bool], episode_timeout_s: float,
+                 stopping: Callable[[], bool], episode_timeout_sec: float,
                  context_window: int | None) -> None:
         self.doc = doc
         self.provider = provider
@@ -223,7 +223,7 @@ class EpisodeServices:
         self.env_actions = 0
         self.ended: EpisodeEnded | None = None
         self._stopping = stopping
-        self._episode_timeout_s = episode_timeout_s
+        self._episode_timeout_sec = episode_timeout_sec
         self._max_output = max_output_tokens(doc, context_window)
         self._tool_specs = [tool_spec(name) for name in doc.tools] if self.mode == "loop" else []
         self._long = PrefixMemo[Message, bool](
@@ -249,7 +249,7 @@ class EpisodeServices:
             self.end(StopReason.CANCELLED)
         if self.control.remaining() == 0.0:
             self.record_error(f"episode stopped: its wall-clock budget of "
-                              f"{self._episode_timeout_s:g} s ran out")
+                              f"{self._episode_timeout_sec:g} s ran out")
             self.end(StopReason.BUDGET)
 
     def finish(self, reason: str, answer: str = "") -> tuple[StopReason, str]:

@@ -53,7 +53,7 @@ from wmo_trio.providers import (
     parse_provider_config,
 )
 from wmo_trio.settings import (
-    DEFAULT_EPISODE_TIMEOUT_S,
+    DEFAULT_EPISODE_TIMEOUT_SEC,
     MAX_COMMAND_TIMEOUT_SEC,
     CommandTimeout,
     EpisodeSettings,
@@ -116,7 +116,7 @@ class AgentArguments(AgentOptions, EpisodeSettings, BackendChoice):  # type: ign
         default=None, description="the document's doc_hash (32 hex digits): the document must have it")
     command_timeout_sec: CommandTimeout = MAX_COMMAND_TIMEOUT_SEC
     # The harbor agent's name for the budget; the research API's aliases are unknown here.
-    episode_timeout_sec: PositiveSeconds = DEFAULT_EPISODE_TIMEOUT_S
+    episode_timeout_sec: PositiveSeconds = DEFAULT_EPISODE_TIMEOUT_SEC
     episode_workers: PositiveInt = DEFAULT_EPISODE_WORKERS
 
     @model_validator(mode="after")
@@ -381,7 +381,7 @@ class HarborEpisode(RuntimeEpisode):
         runtime = build_runtime(
             arguments.harness, self._provider, control=control, backend=arguments.harness_backend,
             e2b_template=arguments.e2b_template,
-            episode_timeout_s=arguments.episode_timeout_sec,
+            episode_timeout_sec=arguments.episode_timeout_sec,
             should_cancel=should_cancel, context_window=arguments.context_window,
             on_progress=self._report_usage, transport_retries=0,
         )
