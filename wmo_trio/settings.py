@@ -19,10 +19,11 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, Va
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticCustomError
 
+from wmo_trio.budgets import DEFAULT_COMMAND_TIMEOUT_SEC as DEFAULT_COMMAND_TIMEOUT_SEC
+from wmo_trio.budgets import DEFAULT_EPISODE_TIMEOUT_SEC as DEFAULT_EPISODE_TIMEOUT_SEC
+from wmo_trio.budgets import MAX_COMMAND_TIMEOUT_SEC as MAX_COMMAND_TIMEOUT_SEC
 from wmo_trio.text import show
 
-MAX_COMMAND_TIMEOUT_SEC = 240
-DEFAULT_EPISODE_TIMEOUT_SEC = 300.0
 MIN_CONTEXT_WINDOW = 1024
 
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False,

@@ -53,8 +53,8 @@ from wmo_trio.providers import (
     parse_provider_config,
 )
 from wmo_trio.settings import (
+    DEFAULT_COMMAND_TIMEOUT_SEC,
     DEFAULT_EPISODE_TIMEOUT_SEC,
-    MAX_COMMAND_TIMEOUT_SEC,
     CommandTimeout,
     EpisodeSettings,
     PositiveInt,
@@ -114,7 +114,7 @@ class AgentArguments(AgentOptions, EpisodeSettings, BackendChoice):  # type: ign
         description="a JSON object with kind and model")
     doc_hash: DocHash | None = Field(
         default=None, description="the document's doc_hash (32 hex digits): the document must have it")
-    command_timeout_sec: CommandTimeout = MAX_COMMAND_TIMEOUT_SEC
+    command_timeout_sec: CommandTimeout = DEFAULT_COMMAND_TIMEOUT_SEC
     # The harbor agent's name for the budget; the research API's aliases are unknown here.
     episode_timeout_sec: PositiveSeconds = DEFAULT_EPISODE_TIMEOUT_SEC
     episode_workers: PositiveInt = DEFAULT_EPISODE_WORKERS
