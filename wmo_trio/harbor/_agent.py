@@ -9,10 +9,7 @@ is imported, and its client built, in a worker thread on the first model call.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import sys
-import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -42,6 +39,7 @@ from wmo_trio.harbor._identity import (
     pin_document,
     record_identity_in_locks,
 )
+from wmo_trio.harbor._timeout import harbor_agent_timeout
 from wmo_trio.harbor._trajectory import TrajectoryInfo, write_trajectory
 from wmo_trio.harness import HarnessDoc, HarnessError, harness_from
 from wmo_trio.models import RunResult
@@ -73,7 +71,6 @@ from wmo_trio.trace import (
 log = logging.getLogger("wmo_trio.harbor")
 
 AGENT_NAME = "wmo-harness"
-_DEADLINE_SLACK_S = 0.05
 DocHash = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$", description="32 lowercase hex digits")]
 
 
@@ -291,7 +288,7 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         """Run the episode on the trio engine; see `HarborEpisode` for what happens when
         harbor cancels it."""
         # First: harbor's timeout is read as a deadline from now, a little short of its own.
-        timed_out = _harbor_timeout()
+        timed_out = harbor_agent_timeout()
         context.metadata = {**(context.metadata or {}), "candidate_doc_hash": self.doc.doc_hash}
         trial = harbor_trial(environment, context_id=self.context_id, session_id=self.session_id)
         # Harbor builds an agent per trial and runs it once: its episode takes over the
@@ -312,32 +309,6 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
             episode.record(outcome.Error(error), cancelled=False)
             raise
         return await host.run_episode(episode, workers=self._arguments.episode_workers)
-
-
-def _harbor_timeout() -> Callable[[], bool] | None:
-    """A way to tell, when the episode is cancelled, whether harbor's agent timeout did it;
-    None when harbor set no timeout.
-
-    Harbor awaits `run()` inside `asyncio.wait_for(run(...), timeout)`, in the same task, so
-    the frames just above this coroutine's hold its timeout: an `asyncio.Timeout` bound to
-    a name (asked whether it `expired()`), or `wait_for`'s `timeout` argument (a deadline
-    on the monotonic clock, less a little slack for harbor's own earlier clock reading).
-    """
-    frame = sys._getframe(2)  # the frame that awaits run()
-    for _ in range(8):
-        if frame is None:
-            return None
-        for value in frame.f_locals.values():
-            if isinstance(value, asyncio.Timeout):
-                return value.expired
-        if frame.f_code is asyncio.wait_for.__code__:
-            timeout = frame.f_locals.get("timeout")
-            if isinstance(timeout, int | float) and not isinstance(timeout, bool):
-                deadline = time.monotonic() + timeout - _DEADLINE_SLACK_S
-                return lambda: time.monotonic() >= deadline
-            return None
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
 
 
 class HarborEpisode(RuntimeEpisode):
