@@ -8,8 +8,6 @@ terminal, and files are read with a size bound, never through a link a search fo
 from __future__ import annotations
 
 import json
-import os
-import stat
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +20,7 @@ from rich.text import Text
 
 from wmo_trio.cli._run import BadInput
 from wmo_trio.cli._text import visible
+from wmo_trio.files import read_bounded
 from wmo_trio.models import ActionKind, Step
 from wmo_trio.settings import validation_problem
 from wmo_trio.trace import TRACE_FILENAME, PartialTrace, Trace, parse_trace
@@ -46,24 +45,6 @@ class Found:
     trace: Trace
     outcome: TrialOutcome | None
     note: str | None = None
-
-
-def read_bounded(path: Path, limit: int, *, follow: bool = True) -> bytes:
-    """The bytes of a regular file of at most `limit` bytes (a link is refused unless
-    `follow`). Raises OSError or ValueError saying what is wrong."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
-                 | (0 if follow else os.O_NOFOLLOW))
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("it is not a regular file")
-        with os.fdopen(os.dup(fd), "rb") as file:
-            data = file.read(limit + 1)
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise ValueError(f"it is larger than {limit:,} bytes")
-    return data
 
 
 def _trial_outcome(trace_path: Path) -> TrialOutcome | None:
@@ -111,7 +92,7 @@ def load(path: Path, *, follow: bool = True) -> Trace:
 
 def _one_file(path: Path) -> list[Found]:
     try:
-        data = json.loads(read_bounded(path, MAX_TRACE_BYTES))
+        data = json.loads(read_bounded(path, MAX_TRACE_BYTES, follow=True))
     except (OSError, ValueError):
         data = None
     other = _what_else(data)
