@@ -101,7 +101,7 @@ class BenchEpisode:
 
     def run(self, control: CallControl) -> RunResult:
         self.worker_started = time.perf_counter()
-        runtime = EpisodeRuntime(DOC, self.provider, control=control, episode_timeout_s=3600,
+        runtime = EpisodeRuntime(DOC, self.provider, control=control, episode_timeout_sec=3600,
                                  should_cancel=self.cancel.is_set)
         with self.lock:
             self.runtime = runtime

@@ -391,7 +391,7 @@ class Burst:
         return f"{config['kind']}/{config['model']}"
 
     @property
-    def episode_timeout_s(self) -> float:
+    def episode_timeout_sec(self) -> float:
         return self.cap_s + 60  # the cap ends a run, never an episode's own budget
 
 
@@ -409,7 +409,7 @@ def new_agent(burst: Burst, logs_dir: Path) -> Any:
     return WmoTrioHarborAgent(
         logs_dir=logs_dir, model_name=burst.model_name(), harness=HARNESS,
         provider_config=burst.provider_config(), episode_workers=burst.n,
-        episode_timeout_sec=burst.episode_timeout_s, command_timeout_sec=COMMAND_TIMEOUT_SEC)
+        episode_timeout_sec=burst.episode_timeout_sec, command_timeout_sec=COMMAND_TIMEOUT_SEC)
 
 
 async def harbor_trials(burst: Burst, environments: list[Any]) -> None:
@@ -456,7 +456,7 @@ async def research_trials(burst: Burst, doc: Any, environments: list[Any]) -> No
 
     config = burst.provider_config()
     specs = [wmo_trio.EpisodeSpec(doc, config, INSTRUCTION, environments[index],
-                                  task_id=f"trial-{index}", episode_timeout=burst.episode_timeout_s,
+                                  task_id=f"trial-{index}", episode_timeout=burst.episode_timeout_sec,
                                   trace_path=burst.trial_dir(index) / "agent" / "wmo-run.json")
              for index in range(burst.n)]
     tally = burst.tally

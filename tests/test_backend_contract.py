@@ -202,7 +202,7 @@ def test_a_refused_request_ends_the_episode_with_error_and_says_why(backend: str
         kit.execute("bash", {{"command": "touch went-on"}})
         kit.execute("submit", {{"answer": "went on"}})
     """
-    result = run_on(backend, code_doc(source), Spy([{"text": "x"}]), tmp_path, episode_timeout_s=120)
+    result = run_on(backend, code_doc(source), Spy([{"text": "x"}]), tmp_path, episode_timeout_sec=120)
     assert result.stop_reason is StopReason.ERROR, result.steps[-3:]
     last = result.steps[-1].observation
     assert last.is_error

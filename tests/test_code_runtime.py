@@ -356,7 +356,7 @@ def test_the_wall_clock_budget_interrupts_the_program(tmp_path: Path) -> None:
         return "never"
     """
     started = time.monotonic()
-    result, _ = run_code(code_doc(source), [{"text": "x"}], tmp_path, episode_timeout_s=0.7)
+    result, _ = run_code(code_doc(source), [{"text": "x"}], tmp_path, episode_timeout_sec=0.7)
     assert time.monotonic() - started < 5
     assert result.stop_reason is StopReason.BUDGET
     assert result.steps[0].observation.content == "quick\n"

@@ -62,7 +62,7 @@ def the_sandbox(fake: FakeE2B, before: int) -> str:
 def test_the_example_task_is_solved_on_each_backend(e2b: FakeE2B, tmp_path: Path, backend: str) -> None:
     created = len(e2b.created)
     started = time.monotonic()
-    result = run_on(backend, load_harness(HARNESS), offline(), tmp_path, episode_timeout_s=30)
+    result = run_on(backend, load_harness(HARNESS), offline(), tmp_path, episode_timeout_sec=30)
     assert result.stop_reason is StopReason.SUBMITTED, result.steps
     assert (tmp_path / "out" / "greeting.txt").read_text() == "hi\n"
     assert [s.action.name for s in result.steps] == ["write_file", "read_file", "submit"]
@@ -252,7 +252,7 @@ def test_the_wall_clock_budget_ends_the_episode_and_kills_the_sandbox(e2b: FakeE
     created = len(e2b.created)
     started = time.monotonic()
     result = run_on("e2b", make_doc(), Spy([{"text": "slow", "latency_s": 30}]), tmp_path,
-                    episode_timeout_s=1.5)
+                    episode_timeout_sec=1.5)
     assert time.monotonic() - started < 20  # ended by the budget, not by the 30 s call
     assert result.stop_reason is StopReason.BUDGET
     assert result.steps[-1].observation.content == (

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from processes import running, when_written
 
 from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
-from wmo_trio.episode.services import NUDGES
+from wmo_trio.episode.services import NUDGES, PrefixMemo
 from wmo_trio.episode.tools import MAX_OBSERVATION_CHARS
 from wmo_trio.models import Action, ActionKind, Observation, StopReason
 from wmo_trio.providers import (
@@ -165,7 +165,7 @@ def test_environment_actions_are_capped(tmp_path: Path) -> None:
 
 def test_the_wall_clock_budget_interrupts_a_model_call(tmp_path: Path) -> None:
     started = time.monotonic()
-    result, _ = run([{**bash("true"), "latency_s": 30}], tmp_path, episode_timeout_s=0.3)
+    result, _ = run([{**bash("true"), "latency_s": 30}], tmp_path, episode_timeout_sec=0.3)
     assert time.monotonic() - started < 10  # far from the 30 s the call would take
     assert result.stop_reason is StopReason.BUDGET
     last = result.steps[-1]
@@ -176,7 +176,7 @@ def test_the_wall_clock_budget_interrupts_a_model_call(tmp_path: Path) -> None:
 def test_the_wall_clock_budget_kills_a_running_command(tmp_path: Path) -> None:
     marker = f"{os.getpid()}.{time.monotonic_ns() % 10**6}"
     result, _ = run([bash(f"sleep 30 && echo {marker}"), submit()], tmp_path,
-                    episode_timeout_s=0.5)
+                    episode_timeout_sec=0.5)
     assert result.stop_reason is StopReason.BUDGET
     assert "environment command failed" in result.steps[0].observation.content
     assert not running(marker)
@@ -192,7 +192,7 @@ def test_an_environment_whose_interrupt_raises_does_not_stop_later_budgets(
             raise ConnectionError("the sandbox cannot be reached")
 
     provider = Spy([bash("sleep 30"), submit()])
-    first = EpisodeRuntime(make_doc(), provider, episode_timeout_s=0.3)
+    first = EpisodeRuntime(make_doc(), provider, episode_timeout_sec=0.3)
     assert first.run("t", "go", Unreachable(tmp_path)).stop_reason is StopReason.BUDGET
     # logged by the watcher thread once interrupt() raised, maybe after the episode returned
     limit = time.monotonic() + 30
@@ -200,7 +200,7 @@ def test_an_environment_whose_interrupt_raises_does_not_stop_later_budgets(
         assert time.monotonic() < limit, "the raising interrupt() was never logged"
         time.sleep(0.01)
     started = time.monotonic()
-    result, _ = run([bash("sleep 30"), submit()], tmp_path, episode_timeout_s=0.5)
+    result, _ = run([bash("sleep 30"), submit()], tmp_path, episode_timeout_sec=0.5)
     assert result.stop_reason is StopReason.BUDGET
     assert time.monotonic() - started < 20  # far from the 30 s command
 
@@ -404,3 +404,14 @@ def test_every_observation_is_capped_whatever_produced_it(tmp_path: Path, path: 
         for message in request.messages:
             if message.role == "tool":
                 assert len(message.content) <= MAX_OBSERVATION_CHARS, path
+
+
+def test_a_prefix_memo_maps_each_new_item_once_and_sees_a_list_changed_in_place() -> None:
+    seen: list[str] = []
+    memo = PrefixMemo[str, str](lambda item: seen.append(item) or item.upper())
+    sent = ["a", "b"]
+    assert memo(sent) == ["A", "B"]
+    sent.append("c")  # the same list, grown in place
+    assert memo(sent) == ["A", "B", "C"] and seen == ["a", "b", "c"]
+    sent[1] = "x"  # an item replaced: it and what follows are mapped again
+    assert memo(sent) == ["A", "X", "C"] and seen == ["a", "b", "c", "x", "c"]

@@ -12,13 +12,15 @@ from typing import Any
 
 import pytest
 from harbor_doubles import HARNESS
+from pydantic import ValidationError
 
 import wmo_trio
 from wmo_trio.episode.environment import CommandResult
 from wmo_trio.episode.runtime import EpisodeRuntime
 from wmo_trio.harbor import WmoTrioHarborAgent
 from wmo_trio.harness import parse_harness
-from wmo_trio.providers import build_provider
+from wmo_trio.providers import ProviderRequest, build_provider
+from wmo_trio.settings import PositiveSeconds, Settings, validation_problem
 
 DOC = {"name": "r", "surfaces": [{"id": "prompt:core", "kind": "prompt", "content": "go"}]}
 OFFLINE = {"kind": "scripted", "model": "offline"}
@@ -85,9 +87,9 @@ def test_a_runtime_built_directly_refuses_a_bad_context_window(value: Any) -> No
         EpisodeRuntime(parse_harness(DOC), build_provider(OFFLINE), context_window=value)
 
 
-def test_a_runtime_built_directly_names_its_own_timeout_argument() -> None:
-    with pytest.raises(ValueError, match=r"^episode_timeout_s must be a finite positive number"):
-        EpisodeRuntime(parse_harness(DOC), build_provider(OFFLINE), episode_timeout_s=0)
+def test_a_runtime_built_directly_names_the_budget_as_the_agent_does() -> None:
+    with pytest.raises(ValueError, match=r"^episode_timeout_sec must be a finite positive number"):
+        EpisodeRuntime(parse_harness(DOC), build_provider(OFFLINE), episode_timeout_sec=0)
 
 
 @pytest.mark.parametrize("value", [0, -1, math.nan, True, "30"])
@@ -100,3 +102,33 @@ def test_a_local_process_environment_refuses_a_bad_command_timeout(tmp_path: Pat
 def test_a_harbor_environment_takes_the_agents_command_timeout_rule(value: Any) -> None:
     with pytest.raises(ValueError, match=re.escape("command_timeout_sec must be an integer in [1, 240]")):
         wmo_trio.HarborEnvironment(object(), command_timeout_sec=value)
+
+
+class _Reply(Settings):
+    text: str = ""
+    latency_s: PositiveSeconds = 0.5
+
+
+def test_a_validation_problem_names_a_hostile_key_quoted_and_cut() -> None:
+    with pytest.raises(ValidationError) as error:
+        ProviderRequest.model_validate({"system": "s", "messages": [{"x" * 500: 1}]})
+    problem = validation_problem(error.value, whole="model request")
+    assert "messages.0.role: Field required" in problem
+    assert "x" * 100 not in problem and "(500 characters)" in problem
+
+
+def test_a_validation_problem_shows_a_few_problems_and_counts_the_others() -> None:
+    with pytest.raises(ValidationError) as error:
+        ProviderRequest.model_validate({"system": "s", "messages": [1, 2, 3, 4, 5]})
+    problem = validation_problem(error.value, most=2)
+    assert problem.startswith("messages.0: Input should be") and "messages.1: " in problem
+    more = error.value.error_count() - 2
+    assert "messages.2" not in problem and problem.endswith(f"; and {more} more problems")
+
+
+def test_a_validation_problem_of_settings_says_what_a_field_must_be() -> None:
+    with pytest.raises(ValidationError) as error:
+        _Reply.model_validate({"latency_s": -1, "txet": "typo"})
+    problem = validation_problem(error.value, model=_Reply)
+    assert "latency_s must be a finite positive number of seconds, got -1" in problem
+    assert "unknown setting txet (did you mean text?)" in problem

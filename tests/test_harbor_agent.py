@@ -686,7 +686,7 @@ class DefectiveRuntime(EpisodeRuntime):
 
 
 def defective_build(doc, provider, **kwargs):
-    return DefectiveRuntime(doc, provider, episode_timeout_s=kwargs["episode_timeout_s"],
+    return DefectiveRuntime(doc, provider, episode_timeout_sec=kwargs["episode_timeout_sec"],
                             should_cancel=kwargs["should_cancel"],
                             context_window=kwargs["context_window"],
                             on_progress=kwargs["on_progress"])

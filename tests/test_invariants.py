@@ -127,7 +127,7 @@ class TrialPlan:
         return any(c.fault == "hang" for t in self.turns for c in t.commands)
 
     @property
-    def episode_timeout_s(self) -> float:
+    def episode_timeout_sec(self) -> float:
         # A hang with no harbor timeout is ended by the episode's own budget.
         return 0.6 if self.hangs and self.timeout_s is None else 300.0
 
@@ -354,7 +354,7 @@ async def _run_scheduled_trials(schedule: list[TrialPlan], harness: Harness, roo
             harness.writes.failing.add(logs_dir)
         agents.append(make_agent(logs_dir, script, kind="faulty", session_id=name, settings=settings,
                                  retry={"max_attempts": 2, "base_delay_s": 0.001},
-                                 episode_timeout_sec=plan.episode_timeout_s))
+                                 episode_timeout_sec=plan.episode_timeout_sec))
         environments.append(FakeEnvironment(behaviours))
         logs.append(logs_dir)
     outcomes = await asyncio.gather(*(

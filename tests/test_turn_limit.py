@@ -24,7 +24,7 @@ BASH = {"tool_calls": [{"name": "bash", "arguments": {"command": "true"}}]}
 def services(doc: HarnessDoc, script: list[dict[str, Any]], tmp_path: Path) -> EpisodeServices:
     return EpisodeServices(doc, Spy(script), EpisodeLog(), CallControl(),
                            LocalDirEnvironment(tmp_path, command_timeout_sec=30),
-                           stopping=lambda: False, episode_timeout_s=60, context_window=None)
+                           stopping=lambda: False, episode_timeout_sec=60, context_window=None)
 
 
 def request() -> ProviderRequest:

@@ -48,8 +48,8 @@ from wmo_trio.harness import HarnessDoc, harness_from
 from wmo_trio.models import RunResult
 from wmo_trio.providers import Provider, ProviderConfig, build_provider
 from wmo_trio.settings import (
-    DEFAULT_EPISODE_TIMEOUT_S,
-    MAX_COMMAND_TIMEOUT_SEC,
+    DEFAULT_COMMAND_TIMEOUT_SEC,
+    DEFAULT_EPISODE_TIMEOUT_SEC,
     EpisodeSettings,
     PositiveInt,
     PositiveSeconds,
@@ -91,7 +91,7 @@ class LocalProcessEnvironment:
     No isolation: the commands see this whole host. For trusted research runs."""
 
     def __init__(self, workdir: str | Path, *,
-                 command_timeout_sec: float = MAX_COMMAND_TIMEOUT_SEC) -> None:
+                 command_timeout_sec: float = DEFAULT_COMMAND_TIMEOUT_SEC) -> None:
         self.workdir = Path(workdir)
         self.command_timeout_sec: float = checked(PositiveSeconds, command_timeout_sec,
                                                   "command_timeout_sec")
@@ -125,7 +125,7 @@ class HarborEnvironment:
     and writes are the harbor agent's own (`HarborShell`), run on harbor's loop."""
 
     def __init__(self, environment: Any, *,
-                 command_timeout_sec: int = MAX_COMMAND_TIMEOUT_SEC) -> None:
+                 command_timeout_sec: int = DEFAULT_COMMAND_TIMEOUT_SEC) -> None:
         self._shell = HarborShell(environment, command_timeout_sec=command_timeout_sec)
         self.command_timeout_sec = self._shell.command_timeout_sec
 
@@ -165,7 +165,7 @@ class EpisodeSpec:
     instruction: str
     environment: TrioEnvironment
     task_id: str = "episode"
-    episode_timeout: float = DEFAULT_EPISODE_TIMEOUT_S
+    episode_timeout: float = DEFAULT_EPISODE_TIMEOUT_SEC
     trace_path: str | Path | None = None
     context_window: int | None = None
     backend: str | None = None
@@ -187,7 +187,7 @@ class _PoolEpisode(RuntimeEpisode):
               should_cancel: Callable[[], bool]) -> tuple[Runtime, Environment]:
         runtime = build_runtime(
             self.doc, self.provider, control=control, backend=self.backend,
-            episode_timeout_s=self.settings.episode_timeout_sec,
+            episode_timeout_sec=self.settings.episode_timeout_sec,
             should_cancel=should_cancel, context_window=self.settings.context_window,
         )
         return runtime, _TrioEnvironmentAdapter(self.spec.environment, control)
@@ -294,7 +294,7 @@ class EpisodePool:
         environment: TrioEnvironment,
         *,
         task_id: str = "episode",
-        episode_timeout: float = DEFAULT_EPISODE_TIMEOUT_S,
+        episode_timeout: float = DEFAULT_EPISODE_TIMEOUT_SEC,
         trace_path: str | Path | None = None,
         context_window: int | None = None,
         backend: str | None = None,

@@ -1,25 +1,29 @@
 """Checked settings: the constrained types wmo_trio's arguments and settings are made of,
-the settings of an episode, and one way to turn a validation failure into a message a user
-can act on.
+the settings of an episode, and the one way a validation failure becomes a message a user
+can act on (`validation_problem`, for settings and for every other model).
 
 Every settings model is a strict pydantic model (a bool is never a number, a string never
-an integer) whose fields describe what they accept; `settings_problem` turns a
-`ValidationError` into one line that names each bad argument, what it must be, and what
-it got.
+an integer) whose fields describe what they accept; `validation_problem` turns a
+`ValidationError` of one into one line that names each bad argument, what it must be, and
+what it got.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticCustomError
+from pydantic_core import ErrorDetails, PydanticCustomError
 
-MAX_COMMAND_TIMEOUT_SEC = 240
-DEFAULT_EPISODE_TIMEOUT_S = 300.0
+from wmo_trio.budgets import DEFAULT_COMMAND_TIMEOUT_SEC as DEFAULT_COMMAND_TIMEOUT_SEC
+from wmo_trio.budgets import DEFAULT_EPISODE_TIMEOUT_SEC as DEFAULT_EPISODE_TIMEOUT_SEC
+from wmo_trio.budgets import MAX_COMMAND_TIMEOUT_SEC as MAX_COMMAND_TIMEOUT_SEC
+from wmo_trio.text import show
+
 MIN_CONTEXT_WINDOW = 1024
 
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False,
@@ -50,26 +54,26 @@ class Settings(BaseModel):
         try:
             return cls.model_validate(dict(data))
         except ValidationError as error:
-            raise ValueError(where + settings_problem(cls, error)) from None
+            raise ValueError(where + validation_problem(error, model=cls)) from None
 
 
 class EpisodeSettings(Settings):
     """One episode's limits, checked by these rules however the episode is started.
 
-    The harbor agent takes them as `episode_timeout_sec` and `context_window`; the research
-    API calls the budget `episode_timeout`, a runtime `episode_timeout_s`. Those are aliases
-    of one field, so that a failure names the argument its caller was given.
+    The harbor agent takes them as `episode_timeout_sec` and `context_window`, and so does
+    every runtime; the research API's keyword for the budget is `episode_timeout`, an alias
+    of the one field, so that a failure names the argument its caller was given.
     """
 
     episode_timeout_sec: PositiveSeconds = Field(
-        default=DEFAULT_EPISODE_TIMEOUT_S,
-        validation_alias=AliasChoices("episode_timeout_sec", "episode_timeout", "episode_timeout_s"))
+        default=DEFAULT_EPISODE_TIMEOUT_SEC,
+        validation_alias=AliasChoices("episode_timeout_sec", "episode_timeout"))
     context_window: ContextWindow = None
 
 
 def refused(message: str) -> PydanticCustomError:
     """For a validator to raise: a failure whose `message` says what is wrong and what to do.
-    `settings_problem` puts the argument's name in front and never quotes the value back
+    `validation_problem` puts the argument's name in front and never quotes the value back
     (it may be a whole document, or a secret)."""
     return PydanticCustomError("refused", "{message}", {"message": message})
 
@@ -79,26 +83,62 @@ def not_given() -> PydanticCustomError:
     return PydanticCustomError("missing", "Field required")
 
 
-def settings_problem(model: type[BaseModel], error: ValidationError) -> str:
-    """One line for a failed validation of `model`: each bad field named, with what it
-    must be (its description) and what it got."""
+def validation_problem(
+    error: ValidationError,
+    *,
+    model: type[BaseModel] | None = None,
+    whole: str | None = None,
+    where: Callable[[tuple[int | str, ...]], str] | None = None,
+    most: int | None = None,
+) -> str:
+    """One line for a failed validation: each problem as `where: what`, joined by "; ".
+
+    With `model` (a settings model), a bad field says what it must be (its description)
+    and what it got, a missing one what to pass, an unknown one the closest known name.
+    `whole` names the value itself, for a problem of the value as a whole (its message
+    alone when None); `where` names a location (default `location_name`); past `most`
+    problems, a count of the others. pydantic's "Value error, " prefix is dropped.
+    """
     problems = []
     for item in error.errors():
-        location = [str(part) for part in item["loc"]]
-        name = ".".join(location) or model.__name__
-        owner, field = _field_at(model, location)
-        description = _description(field) if field is not None else None
-        if item["type"] == "extra_forbidden":
-            problems.append(_unknown(name, location[-1] if location else name, owner))
-        elif item["type"] == "missing":
-            problems.append(f"{name} is required" + (f": pass {description}" if description else ""))
-        elif item["type"] == "refused":
-            problems.append(f"{name}: {item['msg']}" if location else item["msg"])
-        elif description:
-            problems.append(f"{name} must be {description}, got {item['input']!r}")
+        location = tuple(item["loc"])
+        name = (where or location_name)(location) if location else \
+            whole or (model.__name__ if model is not None else "")
+        message = item["msg"].removeprefix("Value error, ")
+        if model is not None:
+            problems.append(_settings_problem(model, item, name, location, message))
         else:
-            problems.append(f"{name}: {item['msg']}, got {item['input']!r}")
-    return "; ".join(problems)
+            problems.append(f"{name}: {message}" if name else message)
+    shown = problems if most is None else problems[:most]
+    if len(problems) > len(shown):
+        shown.append(f"and {len(problems) - len(shown)} more problems")
+    return "; ".join(shown)
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,40}")
+
+
+def location_name(location: tuple[int | str, ...]) -> str:
+    """A location in validated data as a message names it: `a.0.b`, a key that is not a
+    plain name quoted and cut (a hostile key can be anything, and long)."""
+    return ".".join(str(part) if isinstance(part, int) or _PLAIN_NAME.fullmatch(part)
+                    else show(part) for part in location)
+
+
+def _settings_problem(model: type[BaseModel], item: ErrorDetails, name: str,
+                      location: tuple[int | str, ...], message: str) -> str:
+    parts = [str(part) for part in location]
+    owner, field = _field_at(model, parts)
+    description = _description(field) if field is not None else None
+    if item["type"] == "extra_forbidden":
+        return _unknown(name, parts[-1] if parts else name, owner)
+    if item["type"] == "missing":
+        return f"{name} is required" + (f": pass {description}" if description else "")
+    if item["type"] == "refused":
+        return f"{name}: {message}" if location else message
+    if description:
+        return f"{name} must be {description}, got {item['input']!r}"
+    return f"{name}: {message}, got {item['input']!r}"
 
 
 def _unknown(name: str, given: str, owner: type[BaseModel] | None) -> str:

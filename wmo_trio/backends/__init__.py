@@ -27,7 +27,7 @@ from pydantic import Field, model_validator
 
 from wmo_trio.control import CallControl
 from wmo_trio.episode.log import EpisodeLog
-from wmo_trio.episode.runtime import DEFAULT_EPISODE_TIMEOUT_S, EpisodeRuntime, Runtime
+from wmo_trio.episode.runtime import DEFAULT_EPISODE_TIMEOUT_SEC, EpisodeRuntime, Runtime
 from wmo_trio.harness import HarnessDoc
 from wmo_trio.providers.base import Provider
 from wmo_trio.settings import Settings, TemplateName, refused
@@ -115,7 +115,7 @@ def build_runtime(
     control: CallControl | None = None,
     backend: str | None = None,
     e2b_template: str | None = None,
-    episode_timeout_s: float = DEFAULT_EPISODE_TIMEOUT_S,
+    episode_timeout_sec: float = DEFAULT_EPISODE_TIMEOUT_SEC,
     context_window: int | None = None,
     should_cancel: Callable[[], bool] | None = None,
     on_progress: Callable[[EpisodeLog], None] | None = None,
@@ -136,14 +136,14 @@ def build_runtime(
     backend = resolve_backend(doc, backend)
     if backend == "local":
         return EpisodeRuntime(
-            doc, provider, control=control, episode_timeout_s=episode_timeout_s,
+            doc, provider, control=control, episode_timeout_sec=episode_timeout_sec,
             should_cancel=should_cancel, context_window=context_window, on_progress=on_progress,
         )
     if backend == "sandbox":
         from wmo_trio.backends.sandbox import SandboxRuntime
 
         return SandboxRuntime(
-            doc, provider, control=control, episode_timeout_s=episode_timeout_s,
+            doc, provider, control=control, episode_timeout_sec=episode_timeout_sec,
             should_cancel=should_cancel, context_window=context_window, on_progress=on_progress,
             settings=sandbox_settings,
         )
@@ -154,7 +154,7 @@ def build_runtime(
                  if value is not None}
     settings = E2BSettings.parse({**(e2b_settings or E2BSettings()).model_dump(), **overrides})
     return E2BRuntime(
-        doc, provider, control=control, episode_timeout_s=episode_timeout_s,
+        doc, provider, control=control, episode_timeout_sec=episode_timeout_sec,
         should_cancel=should_cancel, context_window=context_window, on_progress=on_progress,
         settings=settings,
     )

@@ -11,6 +11,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 
+from wmo_trio.budgets import (
+    DEFAULT_COMMAND_TIMEOUT_SEC,
+    DEFAULT_EPISODE_TIMEOUT_SEC,
+    MAX_COMMAND_TIMEOUT_SEC,
+)
 from wmo_trio.cli._compare import compare as compare_command
 from wmo_trio.cli._help import Command, Group
 
@@ -98,11 +103,12 @@ def run(
     provider_config: Annotated[str | None, typer.Option(
         "--provider-config", help="Extra provider settings as a JSON object, e.g. "
         '\'{"base_url": "http://localhost:8000/v1", "api_key_env": null}\'.')] = None,
-    episode_timeout: Annotated[float, typer.Option("--episode-timeout",
-                                                   help="Episode wall-clock budget, seconds.")]
-    = 300.0,
-    command_timeout: Annotated[int, typer.Option("--command-timeout",
-                                                 help="Per-command timeout, 1..240 s.")] = 240,
+    episode_timeout_sec: Annotated[float, typer.Option(
+        "--episode-timeout", help="The episode's wall-clock budget, seconds (more than 0).")]
+    = DEFAULT_EPISODE_TIMEOUT_SEC,
+    command_timeout_sec: Annotated[int, typer.Option(
+        "--command-timeout", help=f"Each command's timeout, 1..{MAX_COMMAND_TIMEOUT_SEC} s.")]
+    = DEFAULT_COMMAND_TIMEOUT_SEC,
     backend: Annotated[str | None, typer.Option(
         "--backend", help="Where the episode's program runs: local, e2b or sandbox. Default: "
         "sandbox for a code:runtime document where this machine can run it, else local.")]
@@ -135,8 +141,8 @@ def run(
     options = RunOptions(
         paths=path or [examples_dir() / "tasks"], concurrency=concurrency, attempts=attempts,
         jobs_dir=jobs_dir, job_name=job_name, environment=environment, harness=harness,
-        model=model, provider_settings=settings, episode_timeout=episode_timeout,
-        command_timeout=command_timeout, backend=backend,
+        model=model, provider_settings=settings, episode_timeout_sec=episode_timeout_sec,
+        command_timeout_sec=command_timeout_sec, backend=backend,
     )
     refused: BadInput | None = None
     # Loading harbor takes seconds the first time: say so at once rather than sit silent

@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 import wmo_trio
+from wmo_trio.budgets import DEFAULT_COMMAND_TIMEOUT_SEC, DEFAULT_EPISODE_TIMEOUT_SEC
 
 LOCAL_ENVIRONMENT = "wmo_trio.harbor:LocalEnvironment"
 AGENT_IMPORT_PATH = "wmo_trio.harbor:WmoTrioHarborAgent"
@@ -56,8 +57,8 @@ class RunOptions:
     harness: Path | None = None
     model: str = DEFAULT_MODEL
     provider_settings: dict[str, Any] = field(default_factory=dict)
-    episode_timeout: float = 300.0
-    command_timeout: int = 240
+    episode_timeout_sec: float = DEFAULT_EPISODE_TIMEOUT_SEC
+    command_timeout_sec: int = DEFAULT_COMMAND_TIMEOUT_SEC
     backend: str | None = None
 
 
@@ -119,8 +120,8 @@ def build_job_config(options: RunOptions) -> Any:
     kwargs: dict[str, Any] = {
         "harness": str(harness.resolve()),
         "provider_config": {"kind": kind, "model": model, **options.provider_settings},
-        "episode_timeout_sec": options.episode_timeout,
-        "command_timeout_sec": options.command_timeout,
+        "episode_timeout_sec": options.episode_timeout_sec,
+        "command_timeout_sec": options.command_timeout_sec,
         "episode_workers": max(options.concurrency, 1),
     }
     if options.backend is not None:

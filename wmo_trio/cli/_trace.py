@@ -8,8 +8,6 @@ terminal, and files are read with a size bound, never through a link a search fo
 from __future__ import annotations
 
 import json
-import os
-import stat
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -22,7 +20,9 @@ from rich.text import Text
 
 from wmo_trio.cli._run import BadInput
 from wmo_trio.cli._text import visible
+from wmo_trio.files import read_bounded
 from wmo_trio.models import ActionKind, Step
+from wmo_trio.settings import validation_problem
 from wmo_trio.trace import TRACE_FILENAME, PartialTrace, Trace, parse_trace
 
 MAX_TRACE_BYTES = 64 * 2**20
@@ -47,24 +47,6 @@ class Found:
     note: str | None = None
 
 
-def read_bounded(path: Path, limit: int, *, follow: bool = True) -> bytes:
-    """The bytes of a regular file of at most `limit` bytes (a link is refused unless
-    `follow`). Raises OSError or ValueError saying what is wrong."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
-                 | (0 if follow else os.O_NOFOLLOW))
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("it is not a regular file")
-        with os.fdopen(os.dup(fd), "rb") as file:
-            data = file.read(limit + 1)
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise ValueError(f"it is larger than {limit:,} bytes")
-    return data
-
-
 def _trial_outcome(trace_path: Path) -> TrialOutcome | None:
     """The reward and exception harbor recorded for the trial a trace belongs to
     (`<trial>/agent/wmo-run.json` beside `<trial>/result.json`), if it is one."""
@@ -80,13 +62,6 @@ def _trial_outcome(trace_path: Path) -> TrialOutcome | None:
     exception = (data.get("exception_info") or {}).get("exception_type")
     return TrialOutcome(reward if isinstance(reward, int | float) else None,
                         str(exception) if exception else None)
-
-
-def _first_problem(error: pydantic.ValidationError) -> str:
-    first = error.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "the document"
-    more = error.error_count() - 1
-    return f"{where}: {first['msg']}" + (f" (and {more} more problems)" if more else "")
 
 
 def _what_else(data: object) -> tuple[str, Path] | None:
@@ -109,7 +84,7 @@ def load(path: Path, *, follow: bool = True) -> Trace:
         return parse_trace(read_bounded(path, MAX_TRACE_BYTES, follow=follow))
     except pydantic.ValidationError as error:
         raise BadInput(f"{path} is not a wmo_trio trace ({TRACE_FILENAME}): "
-                       f"{_first_problem(error)}") from None
+                       f"{validation_problem(error, whole='the document', most=1)}") from None
     except (OSError, ValueError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else error
         raise BadInput(f"{path} is not a wmo_trio trace ({TRACE_FILENAME}): {reason}") from None
@@ -117,7 +92,7 @@ def load(path: Path, *, follow: bool = True) -> Trace:
 
 def _one_file(path: Path) -> list[Found]:
     try:
-        data = json.loads(read_bounded(path, MAX_TRACE_BYTES))
+        data = json.loads(read_bounded(path, MAX_TRACE_BYTES, follow=True))
     except (OSError, ValueError):
         data = None
     other = _what_else(data)

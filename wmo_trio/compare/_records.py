@@ -13,7 +13,6 @@ import hashlib
 import json
 import math
 import os
-import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +27,9 @@ from pydantic import (
     ValidationError,
 )
 
+from wmo_trio.files import read_bounded
 from wmo_trio.harness import DocumentForm, document_form
+from wmo_trio.settings import validation_problem
 
 if TYPE_CHECKING:
     from wmo_trio.harness import HarnessDoc
@@ -97,23 +98,17 @@ def record_from_run(
     )
 
 
-def read_bounded(path: Path, limit: int) -> bytes:
-    """A regular file's bytes, at most `limit` of them, never through a symbolic link
-    (a trial's own directory is the trial's to fill)."""
+def _read_bounded(path: Path, limit: int) -> bytes:
+    """`wmo_trio.files.read_bounded` (never through a link), its failure a `CompareError`."""
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return read_bounded(path, limit)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise CompareError(f"{path} is a symbolic link; not followed (a trial's files are "
                                "read only where harbor wrote them)") from None
         raise CompareError(f"cannot read {path}: {error.strerror}") from None
-    with os.fdopen(descriptor, "rb") as file:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            raise CompareError(f"{path} is not a regular file")
-        data = file.read(limit + 1)
-    if len(data) > limit:
-        raise CompareError(f"{path} is larger than {limit // 2**20} MiB; not read")
-    return data
+    except ValueError as error:
+        raise CompareError(f"cannot read {path}: {error}") from None
 
 
 def load_jobs(paths: Iterable[Path | str]) -> list[TrialRecord]:
@@ -138,10 +133,10 @@ def load_job(job_dir: Path) -> list[TrialRecord]:
         raise CompareError(f"{job_dir} is not a harbor job directory (no config.json); pass "
                            "the directories harbor run wrote under its jobs directory (-o)")
     try:
-        JobConfig.model_validate_json(read_bounded(config, RESULT_LIMIT))
+        JobConfig.model_validate_json(_read_bounded(config, RESULT_LIMIT))
     except ValidationError as error:
         raise CompareError(f"{config} is not a harbor job configuration: "
-                           f"{error.errors()[0]['msg']}") from None
+                           f"{validation_problem(error, most=1)}") from None
     records = []
     with os.scandir(job_dir) as entries:
         trial_dirs = sorted(Path(e.path) for e in entries if e.is_dir(follow_symlinks=False))
@@ -162,10 +157,10 @@ def _trial_record(path: Path, *, source: str) -> TrialRecord | None:
     from harbor.models.trial.result import TrialResult
 
     try:
-        trial = TrialResult.model_validate_json(read_bounded(path, RESULT_LIMIT))
+        trial = TrialResult.model_validate_json(_read_bounded(path, RESULT_LIMIT))
     except ValidationError as error:
         raise CompareError(f"{path} is not a harbor trial result: "
-                           f"{error.errors()[0]['msg']}") from None
+                           f"{validation_problem(error, most=1)}") from None
     if trial.finished_at is None:
         return None  # still running
     candidate, name = _candidate(trial, path.parent)
@@ -220,7 +215,7 @@ def _trace_doc_hash(trial_dir: Path) -> str | None:
     if agent.is_symlink() or not trace.is_file() or trace.is_symlink():
         return None
     try:
-        data = json.loads(read_bounded(trace, TRACE_LIMIT))
+        data = json.loads(_read_bounded(trace, TRACE_LIMIT))
     except (CompareError, ValueError):
         return None
     value = data.get("doc_hash") if isinstance(data, dict) else None

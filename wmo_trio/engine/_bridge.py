@@ -11,14 +11,17 @@ until the episode has finished, trace included.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import outcome
 import trio
 
-from wmo_trio.engine._engine import Episode, EpisodeEngine, Finished, log
+from wmo_trio.engine._engine import Episode, EpisodeEngine, Finished
 from wmo_trio.models import RunResult
+
+log = logging.getLogger("wmo_trio.engine")
 
 
 class Submission:

@@ -50,6 +50,11 @@ def current_engine() -> EpisodeEngine:
         return engine
 
 
+def set_current_engine(engine: EpisodeEngine) -> None:
+    """Make `engine` the current trio run's (a host that starts the run makes its own)."""
+    _ENGINE.set(engine)
+
+
 class Host(ABC):
     """Where the trio engine runs relative to one asyncio loop (`loop`)."""
 

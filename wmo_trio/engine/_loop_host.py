@@ -18,7 +18,13 @@ import trio
 
 from wmo_trio.engine._bridge import Submission, await_finished, settle, wait_ignoring_cancellation
 from wmo_trio.engine._engine import Episode, EpisodeEngine, Finished
-from wmo_trio.engine._host import _ENGINE, Host, HostMode, current_engine, default_host_mode
+from wmo_trio.engine._host import (
+    Host,
+    HostMode,
+    current_engine,
+    default_host_mode,
+    set_current_engine,
+)
 from wmo_trio.models import RunResult
 
 
@@ -86,7 +92,7 @@ class LoopServingHost(Host):
 
     async def _main(self) -> None:
         self._stop = trio.Event()
-        _ENGINE.set(EpisodeEngine())
+        set_current_engine(EpisodeEngine())
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self._token = trio.lowlevel.current_trio_token()

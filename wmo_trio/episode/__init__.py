@@ -17,10 +17,10 @@ from wmo_trio.episode.environment import (
     ShellEnvironment,
 )
 from wmo_trio.episode.log import EpisodeLog
-from wmo_trio.episode.runtime import DEFAULT_EPISODE_TIMEOUT_S, EpisodeRuntime
+from wmo_trio.episode.runtime import DEFAULT_EPISODE_TIMEOUT_SEC, EpisodeRuntime
 
 __all__ = [
-    "DEFAULT_EPISODE_TIMEOUT_S",
+    "DEFAULT_EPISODE_TIMEOUT_SEC",
     "CommandResult",
     "Environment",
     "EpisodeLog",

@@ -20,9 +20,10 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from wmo_trio.episode.services import EpisodeServices
+from wmo_trio.episode.services import EpisodeServices, PrefixMemo
 from wmo_trio.models import Action, ActionKind, Step, StopReason
 from wmo_trio.providers.base import Message, ProviderRequest, ToolSpec
+from wmo_trio.settings import validation_problem
 
 __all__ = ["MAX_FREE_CALLS", "MAX_RECORDED_BYTES", "ProgramChannel", "ProtocolViolation",
            "refuse", "typed_field"]
@@ -54,8 +55,7 @@ def _validated[M: BaseModel](model: type[M], data: object, what: str) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or what}: {e['msg']}"
-                             for e in error.errors()[:3])
+        problems = validation_problem(error, whole=what, most=3)
         raise ProtocolViolation(f"invalid {what}: {problems}") from None
 
 
@@ -88,7 +88,7 @@ class ProgramChannel:
     def __init__(self, services: EpisodeServices) -> None:
         self._services = services
         self._violation: ProtocolViolation | None = None
-        self._sent: tuple[list[Any], list[Message]] = ([], [])
+        self._messages = PrefixMemo[object, object](_message_or_sent)
         self._tools: tuple[object, list[ToolSpec]] | None = None
         self._free = 0
         self._recorded = 0
@@ -183,18 +183,20 @@ class ProgramChannel:
         known = dict(request)
         messages, tools = request.get("messages"), request.get("tools")
         if isinstance(messages, list):
-            before, models = self._sent
-            kept = 0
-            for new, old in zip(messages, before, strict=False):
-                if new is not old:
-                    break
-                kept += 1
-            known["messages"] = models[:kept] + messages[kept:]
+            known["messages"] = self._messages(messages)
         if self._tools is not None and tools is self._tools[0]:
             known["tools"] = self._tools[1]
         return known
 
     def _remember(self, request: object, model: ProviderRequest) -> None:
         assert isinstance(request, dict)
-        self._sent = (list(request["messages"]), model.messages)
         self._tools = (request["tools"], model.tools)
+
+
+def _message_or_sent(message: object) -> object:
+    """A message as its model, or as sent when it is not one: the whole request is then
+    validated again, and its error names where in the request the message stands."""
+    try:
+        return Message.model_validate(message)
+    except ValidationError:
+        return message

@@ -34,7 +34,8 @@ from wmo_trio.episode.tools import (
     unavailable,
 )
 from wmo_trio.models import Action, ActionKind, Observation
-from wmo_trio.settings import MAX_COMMAND_TIMEOUT_SEC, CommandTimeout, checked
+from wmo_trio.settings import DEFAULT_COMMAND_TIMEOUT_SEC, CommandTimeout, checked
+from wmo_trio.text import has_lone_surrogate
 
 
 def check_command_timeout(value: object, *, name: str = "command_timeout_sec") -> int:
@@ -75,7 +76,7 @@ class HarborShell:
     and `upload_file(source, target)`, so nothing here imports harbor.
     """
 
-    def __init__(self, environment: Any, *, command_timeout_sec: int = MAX_COMMAND_TIMEOUT_SEC) -> None:
+    def __init__(self, environment: Any, *, command_timeout_sec: int = DEFAULT_COMMAND_TIMEOUT_SEC) -> None:
         self.environment = environment
         self.command_timeout_sec = check_command_timeout(command_timeout_sec)
 
@@ -156,12 +157,11 @@ class ShellEnvironment(ABC):
         if tool == "read_file":
             return command_observation(*self.run_command(f"cat -- {shlex.quote(arguments['path'])}"))
         path, content = arguments["path"], arguments["content"]
-        try:
-            data = content.encode("utf-8")
-        except UnicodeEncodeError:
+        if has_lone_surrogate(content):
             return invalid_arguments(
                 "write_file", "content holds an unpaired surrogate and is not valid text"
             )
+        data = content.encode("utf-8")
         self.write_file_bytes(path, data)
         return Observation(content=f"wrote {path}", metadata={"bytes": len(data)})
 
@@ -188,7 +188,7 @@ class LocalDirEnvironment(ShellEnvironment):
     timeout and on `interrupt()`, children included.
     """
 
-    def __init__(self, workdir: str | Path, *, command_timeout_sec: int = MAX_COMMAND_TIMEOUT_SEC,
+    def __init__(self, workdir: str | Path, *, command_timeout_sec: int = DEFAULT_COMMAND_TIMEOUT_SEC,
                  shell: str = "/bin/bash") -> None:
         self.workdir = Path(workdir)
         self.command_timeout_sec = check_command_timeout(command_timeout_sec)

@@ -37,9 +37,9 @@ from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, episode_spe
 from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import RunResult, StopReason, count_tool_steps
 from wmo_trio.providers.base import Provider
-from wmo_trio.settings import DEFAULT_EPISODE_TIMEOUT_S, EpisodeSettings
+from wmo_trio.settings import DEFAULT_EPISODE_TIMEOUT_SEC, EpisodeSettings
 
-__all__ = ["DEFAULT_EPISODE_TIMEOUT_S", "EpisodeRuntime", "Runtime", "RuntimeBase", "RuntimeEpisode"]
+__all__ = ["DEFAULT_EPISODE_TIMEOUT_SEC", "EpisodeRuntime", "Runtime", "RuntimeBase", "RuntimeEpisode"]
 
 
 class Runtime(Protocol):
@@ -76,7 +76,7 @@ class RuntimeBase:
         provider: Provider,
         *,
         control: CallControl | None = None,
-        episode_timeout_s: float = DEFAULT_EPISODE_TIMEOUT_S,
+        episode_timeout_sec: float = DEFAULT_EPISODE_TIMEOUT_SEC,
         should_cancel: Callable[[], bool] | None = None,
         context_window: int | None = None,
         on_progress: Callable[[EpisodeLog], None] | None = None,
@@ -85,8 +85,8 @@ class RuntimeBase:
         self.provider = provider
         self.control = control if control is not None else CallControl()
         settings: EpisodeSettings = EpisodeSettings.parse(
-            {"episode_timeout_s": episode_timeout_s, "context_window": context_window})
-        self.episode_timeout_s = settings.episode_timeout_sec
+            {"episode_timeout_sec": episode_timeout_sec, "context_window": context_window})
+        self.episode_timeout_sec = settings.episode_timeout_sec
         self.context_window = settings.context_window
         self.log = EpisodeLog(on_progress)
         self._should_cancel = should_cancel or (lambda: False)
@@ -158,7 +158,7 @@ class RuntimeBase:
                 raise RuntimeError(f"a {type(self).__name__} runs a single episode; build another")
             self._started = True
             self._environment = environment
-        self.control.deadline = time.monotonic() + self.episode_timeout_s
+        self.control.deadline = time.monotonic() + self.episode_timeout_sec
         watch = DEADLINES.schedule(self.control.deadline, self._interrupt)
         try:
             yield
@@ -168,7 +168,7 @@ class RuntimeBase:
     def _services(self, environment: Environment) -> EpisodeServices:
         return EpisodeServices(
             self.doc, self.provider, self.log, self.control, environment,
-            stopping=self.stopping, episode_timeout_s=self.episode_timeout_s,
+            stopping=self.stopping, episode_timeout_sec=self.episode_timeout_sec,
             context_window=self.context_window,
         )
 

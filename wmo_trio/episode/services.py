@@ -22,7 +22,7 @@ episode by raising `EpisodeEnded`; once ended, every later call raises the same 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NoReturn
 
 from wmo_trio.control import CallControl
@@ -180,6 +180,28 @@ def capped(observation: Observation) -> Observation:
     return observation.model_copy(update={"content": content})
 
 
+class PrefixMemo[S, T]:
+    """`function` mapped over a list that a program re-sends whole every turn, each new
+    item once: the items sent before (the same objects, in the same places) keep their
+    results, so a turn costs what is new in it."""
+
+    def __init__(self, function: Callable[[S], T]) -> None:
+        self._function = function
+        self._sent: tuple[S, ...] = ()
+        self._results: list[T] = []
+
+    def __call__(self, items: Sequence[S]) -> list[T]:
+        kept = 0
+        for new, old in zip(items, self._sent, strict=False):
+            if new is not old:
+                break
+            kept += 1
+        # A copy of what was sent: a caller that changes its list in place is still seen.
+        self._sent = tuple(items)
+        self._results = self._results[:kept] + [self._function(item) for item in items[kept:]]
+        return list(self._results)
+
+
 class EpisodeServices:
     """The host side of one episode of `doc`; see the module docstring.
 
@@ -189,7 +211,7 @@ class EpisodeServices:
 
     def __init__(self, doc: HarnessDoc, provider: Provider, log: EpisodeLog,
                  control: CallControl, environment: Environment, *,
-                 stopping: Callable[[], bool], episode_timeout_s: float,
+                 stopping: Callable[[], bool], episode_timeout_sec: float,
                  context_window: int | None) -> None:
         self.doc = doc
         self.provider = provider
@@ -201,11 +223,11 @@ class EpisodeServices:
         self.env_actions = 0
         self.ended: EpisodeEnded | None = None
         self._stopping = stopping
-        self._episode_timeout_s = episode_timeout_s
+        self._episode_timeout_sec = episode_timeout_sec
         self._max_output = max_output_tokens(doc, context_window)
         self._tool_specs = [tool_spec(name) for name in doc.tools] if self.mode == "loop" else []
-        self._checked: list[Message] = []
-        self._long: list[bool] = []
+        self._long = PrefixMemo[Message, bool](
+            lambda m: m.role == "tool" and len(m.content) > MAX_OBSERVATION_CHARS)
 
     # -- ending ---------------------------------------------------------------------------
 
@@ -227,7 +249,7 @@ class EpisodeServices:
             self.end(StopReason.CANCELLED)
         if self.control.remaining() == 0.0:
             self.record_error(f"episode stopped: its wall-clock budget of "
-                              f"{self._episode_timeout_s:g} s ran out")
+                              f"{self._episode_timeout_sec:g} s ran out")
             self.end(StopReason.BUDGET)
 
     def finish(self, reason: str, answer: str = "") -> tuple[StopReason, str]:
@@ -301,24 +323,11 @@ class EpisodeServices:
             update["max_output_tokens"] = self._max_output
         if request.temperature is None:
             update["temperature"] = self.doc.params.temperature
-        if self._long_results(request.messages):
+        if any(self._long(request.messages)):
             update["messages"] = [
                 m.model_copy(update={"content": capped_text(m.content)}) if m.role == "tool" else m
                 for m in request.messages]
         return request.model_copy(update=update) if update else request
-
-    def _long_results(self, messages: list[Message]) -> bool:
-        """Whether a tool result is over the cap; the messages looked at on an earlier turn
-        (the same objects, in the same places) are not looked at again."""
-        kept = 0
-        for new, old in zip(messages, self._checked, strict=False):
-            if new is not old:
-                break
-            kept += 1
-        long = self._long[:kept] + [m.role == "tool" and len(m.content) > MAX_OBSERVATION_CHARS
-                                    for m in messages[kept:]]
-        self._checked, self._long = messages, long
-        return any(long)
 
     # -- tool calls -----------------------------------------------------------------------
 

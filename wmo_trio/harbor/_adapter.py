@@ -12,7 +12,7 @@ from typing import Any
 
 from wmo_trio.control import CallControl
 from wmo_trio.episode.environment import CommandResult, HarborShell, ShellEnvironment
-from wmo_trio.settings import MAX_COMMAND_TIMEOUT_SEC
+from wmo_trio.settings import DEFAULT_COMMAND_TIMEOUT_SEC
 
 
 class HarborEnvironmentAdapter(ShellEnvironment):
@@ -20,7 +20,7 @@ class HarborEnvironmentAdapter(ShellEnvironment):
     episode's worker thread."""
 
     def __init__(self, environment: Any, control: CallControl, *,
-                 command_timeout_sec: int = MAX_COMMAND_TIMEOUT_SEC) -> None:
+                 command_timeout_sec: int = DEFAULT_COMMAND_TIMEOUT_SEC) -> None:
         self._shell = HarborShell(environment, command_timeout_sec=command_timeout_sec)
         self._control = control
         self.command_timeout_sec = self._shell.command_timeout_sec

@@ -9,10 +9,7 @@ is imported, and its client built, in a worker thread on the first model call.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import sys
-import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -42,6 +39,7 @@ from wmo_trio.harbor._identity import (
     pin_document,
     record_identity_in_locks,
 )
+from wmo_trio.harbor._timeout import harbor_agent_timeout
 from wmo_trio.harbor._trajectory import TrajectoryInfo, write_trajectory
 from wmo_trio.harness import HarnessDoc, HarnessError, harness_from
 from wmo_trio.models import RunResult
@@ -53,8 +51,8 @@ from wmo_trio.providers import (
     parse_provider_config,
 )
 from wmo_trio.settings import (
-    DEFAULT_EPISODE_TIMEOUT_S,
-    MAX_COMMAND_TIMEOUT_SEC,
+    DEFAULT_COMMAND_TIMEOUT_SEC,
+    DEFAULT_EPISODE_TIMEOUT_SEC,
     CommandTimeout,
     EpisodeSettings,
     PositiveInt,
@@ -73,7 +71,6 @@ from wmo_trio.trace import (
 log = logging.getLogger("wmo_trio.harbor")
 
 AGENT_NAME = "wmo-harness"
-_DEADLINE_SLACK_S = 0.05
 DocHash = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$", description="32 lowercase hex digits")]
 
 
@@ -114,9 +111,9 @@ class AgentArguments(AgentOptions, EpisodeSettings, BackendChoice):  # type: ign
         description="a JSON object with kind and model")
     doc_hash: DocHash | None = Field(
         default=None, description="the document's doc_hash (32 hex digits): the document must have it")
-    command_timeout_sec: CommandTimeout = MAX_COMMAND_TIMEOUT_SEC
+    command_timeout_sec: CommandTimeout = DEFAULT_COMMAND_TIMEOUT_SEC
     # The harbor agent's name for the budget; the research API's aliases are unknown here.
-    episode_timeout_sec: PositiveSeconds = DEFAULT_EPISODE_TIMEOUT_S
+    episode_timeout_sec: PositiveSeconds = DEFAULT_EPISODE_TIMEOUT_SEC
     episode_workers: PositiveInt = DEFAULT_EPISODE_WORKERS
 
     @model_validator(mode="after")
@@ -291,7 +288,7 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         """Run the episode on the trio engine; see `HarborEpisode` for what happens when
         harbor cancels it."""
         # First: harbor's timeout is read as a deadline from now, a little short of its own.
-        timed_out = _harbor_timeout()
+        timed_out = harbor_agent_timeout()
         context.metadata = {**(context.metadata or {}), "candidate_doc_hash": self.doc.doc_hash}
         trial = harbor_trial(environment, context_id=self.context_id, session_id=self.session_id)
         # Harbor builds an agent per trial and runs it once: its episode takes over the
@@ -312,32 +309,6 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
             episode.record(outcome.Error(error), cancelled=False)
             raise
         return await host.run_episode(episode, workers=self._arguments.episode_workers)
-
-
-def _harbor_timeout() -> Callable[[], bool] | None:
-    """A way to tell, when the episode is cancelled, whether harbor's agent timeout did it;
-    None when harbor set no timeout.
-
-    Harbor awaits `run()` inside `asyncio.wait_for(run(...), timeout)`, in the same task, so
-    the frames just above this coroutine's hold its timeout: an `asyncio.Timeout` bound to
-    a name (asked whether it `expired()`), or `wait_for`'s `timeout` argument (a deadline
-    on the monotonic clock, less a little slack for harbor's own earlier clock reading).
-    """
-    frame = sys._getframe(2)  # the frame that awaits run()
-    for _ in range(8):
-        if frame is None:
-            return None
-        for value in frame.f_locals.values():
-            if isinstance(value, asyncio.Timeout):
-                return value.expired
-        if frame.f_code is asyncio.wait_for.__code__:
-            timeout = frame.f_locals.get("timeout")
-            if isinstance(timeout, int | float) and not isinstance(timeout, bool):
-                deadline = time.monotonic() + timeout - _DEADLINE_SLACK_S
-                return lambda: time.monotonic() >= deadline
-            return None
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
 
 
 class HarborEpisode(RuntimeEpisode):
@@ -381,7 +352,7 @@ class HarborEpisode(RuntimeEpisode):
         runtime = build_runtime(
             arguments.harness, self._provider, control=control, backend=arguments.harness_backend,
             e2b_template=arguments.e2b_template,
-            episode_timeout_s=arguments.episode_timeout_sec,
+            episode_timeout_sec=arguments.episode_timeout_sec,
             should_cancel=should_cancel, context_window=arguments.context_window,
             on_progress=self._report_usage, transport_retries=0,
         )

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -37,12 +36,14 @@ from harbor.models.job.config import JobConfig
 from harbor.models.trial.config import AgentConfig, TrialConfig
 from harbor.trial.regrade import local_task_name
 
+from wmo_trio.files import read_bounded
+
 log = logging.getLogger("wmo_trio.harbor")
 
 DOC_HASH = "doc_hash"
 HARNESS = "harness"
-# harbor's trial config.json is a few kilobytes; more than this is not harbor's file.
-_MAX_TRIAL_CONFIG_BYTES = 1 << 20
+# harbor's job and trial config.json are a few kilobytes; more than this is not harbor's file.
+_MAX_CONFIG_BYTES = 1 << 20
 
 
 def pin_document(kwargs: Mapping[str, Any] | None, doc_hash: str,
@@ -86,10 +87,7 @@ def _refuse_another_document(frame: Any, doc_hash: str, agent_class: type) -> No
         return
     recorded_path = Path(job.jobs_dir) / job.job_name / "config.json"
     try:
-        with os.fdopen(os.open(recorded_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC),
-                       "rb") as file:
-            text = file.read(_MAX_TRIAL_CONFIG_BYTES + 1)
-        recorded = JobConfig.model_validate_json(text)
+        recorded = JobConfig.model_validate_json(read_bounded(recorded_path, _MAX_CONFIG_BYTES))
     except Exception:  # no job there yet, or not one harbor can resume: harbor says so
         return
     ran = {agent.kwargs.get(DOC_HASH) for agent in recorded.agents
@@ -174,15 +172,12 @@ def harbor_trial(environment: Any, *, context_id: object, session_id: str | None
     try:
         path = Path(environment.trial_paths.config_path)
         # harbor's own file, beside directories a trial writes to: never through a link.
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as file:
-            text = file.read(_MAX_TRIAL_CONFIG_BYTES + 1)
-        if len(text) <= _MAX_TRIAL_CONFIG_BYTES:
-            config = TrialConfig.model_validate_json(text)
-            trial_name = config.trial_name
-            identifier = config.task.get_task_id()
-            task_id = identifier.model_dump(mode="json")
-            local = getattr(identifier, "get_local_path", None)
-            task_name = local_task_name(local()) if local is not None else identifier.get_name()
+        config = TrialConfig.model_validate_json(read_bounded(path, _MAX_CONFIG_BYTES))
+        trial_name = config.trial_name
+        identifier = config.task.get_task_id()
+        task_id = identifier.model_dump(mode="json")
+        local = getattr(identifier, "get_local_path", None)
+        task_name = local_task_name(local()) if local is not None else identifier.get_name()
     except Exception:
         log.debug("the trial's config.json could not be read; its trace names less", exc_info=True)
     return HarborTrial(trial_id=trial_id, trial_name=trial_name, task_id=task_id,

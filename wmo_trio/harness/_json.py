@@ -14,8 +14,8 @@ from wmo_trio.harness._limits import (
     MAX_NUMBER_DIGITS,
     MAX_SURFACES,
     HarnessError,
-    show,
 )
+from wmo_trio.text import show
 
 # A JSON string; an unterminated one runs to the end of the text. Possessive quantifiers
 # keep the scan linear on any input.

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-import re
+
+from wmo_trio.text import show
 
 # A real document is a few dozen surfaces and some kilobytes; these bounds are far above
 # that and keep every check of a hostile document fast and bounded.
@@ -24,22 +25,10 @@ MAX_NUMBER_DIGITS = 20
 """Most digits in a row in a number of a document's JSON."""
 MAX_INTEGER = 2**63 - 1
 """Largest `version` or `budget`."""
-SURROGATE = re.compile("[\ud800-\udfff]")
-"""A code point no UTF-8 text holds: one present came from a lone JSON escape."""
 
 
 class HarnessError(ValueError):
     """A harness document is invalid; the message names the source, the surface and the fix."""
-
-
-def show(value: str, limit: int = 60) -> str:
-    """A user-supplied string as it may appear in a one-line message: quoted, escaped, short."""
-    if len(value) <= limit and len(repr(value)) <= limit + 2:
-        return repr(value)
-    kept = limit
-    while kept > 1 and len(repr(value[:kept])) > limit + 2:  # escapes take several characters
-        kept //= 2
-    return f"{value[:kept]!r}... ({len(value):,} characters)"
 
 
 _PATH_SHOWN_CHARS = 256

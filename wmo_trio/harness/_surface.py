@@ -16,10 +16,9 @@ from wmo_trio.harness._limits import (
     MAX_ID_CHARS,
     MAX_INTEGER,
     MAX_NAME_CHARS,
-    SURROGATE,
-    show,
 )
 from wmo_trio.harness._validated import Validated
+from wmo_trio.text import has_lone_surrogate, show
 
 SLUG_PATTERN = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _PATH_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -53,7 +52,7 @@ def code_surface_id(path: str) -> str:
 def _valid_text(value: Any) -> Any:
     # A str decoded from UTF-8, or from JSON with paired escapes, never holds a surrogate
     # code point: one present came from a lone "\ud800"-style escape and cannot be encoded.
-    if isinstance(value, str) and SURROGATE.search(value):
+    if isinstance(value, str) and has_lone_surrogate(value):
         raise ValueError(
             "is not valid text: it holds an unpaired surrogate (U+D800..U+DFFF); "
             "remove the lone \\ud800-\\udfff escape"
@@ -75,7 +74,7 @@ def valid_keys(data: Any) -> Any:
     # pydantic cannot even read a key holding a lone surrogate; say which one it is.
     if isinstance(data, Mapping):
         for key in data:
-            if isinstance(key, str) and SURROGATE.search(key):
+            if isinstance(key, str) and has_lone_surrogate(key):
                 raise ValueError(f"field name {show(key)} is not valid text (unpaired surrogate)")
     return data
 

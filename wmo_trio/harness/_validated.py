@@ -4,15 +4,14 @@ source and, for a document, the surface)."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from wmo_trio.harness._limits import MAX_ID_CHARS, SURROGATE, HarnessError, show
-
-_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,40}")
+from wmo_trio.harness._limits import MAX_ID_CHARS, HarnessError
+from wmo_trio.settings import location_name, validation_problem
+from wmo_trio.text import has_lone_surrogate, show
 
 
 class Validated(BaseModel):
@@ -90,29 +89,19 @@ def _surface_label(data: Any, index: int) -> str:
     except (KeyError, IndexError, TypeError):
         return f"surfaces.{index}"
     if isinstance(raw, str) and len(raw) <= MAX_ID_CHARS and raw.isprintable() \
-            and not SURROGATE.search(raw):
+            and not has_lone_surrogate(raw):
         return f"surface {raw}"
     return f"surface {show(raw) if isinstance(raw, str) else index}"
 
 
-def _describe_validation_error(error: ValidationError, data: Any) -> str:
-    """The problems on one line, each naming its surface; at most a few, then a count."""
-    problems = []
-    for item in error.errors():
-        location = list(item["loc"])
+def _surface_named(data: Any) -> Callable[[tuple[int | str, ...]], str]:
+    """How a problem's location is named in `data`: within a surface, by the surface's id."""
+    def where(location: tuple[int | str, ...]) -> str:
         if len(location) >= 2 and location[0] == "surfaces" and isinstance(location[1], int):
-            head, rest = _surface_label(data, location[1]), location[2:]
-        else:
-            head, rest = "", location
-        parts = [str(p) if isinstance(p, int) or _PLAIN_NAME.fullmatch(p) else show(p)
-                 for p in rest]
-        where = ".".join([head, *parts] if head else parts)
-        message = item["msg"].removeprefix("Value error, ")
-        problems.append(f"{where}: {message}" if where else message)
-    shown = problems[:_MAX_PROBLEMS_SHOWN]
-    if len(problems) > len(shown):
-        shown.append(f"and {len(problems) - len(shown)} more problems")
-    return "; ".join(shown)
+            label, rest = _surface_label(data, location[1]), location_name(location[2:])
+            return f"{label}.{rest}" if rest else label
+        return location_name(location)
+    return where
 
 
 def validate[M: BaseModel](model: type[M], data: Any, source: str) -> M:
@@ -120,4 +109,5 @@ def validate[M: BaseModel](model: type[M], data: Any, source: str) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        raise HarnessError(f"{source} is invalid: {_describe_validation_error(error, data)}") from None
+        problems = validation_problem(error, where=_surface_named(data), most=_MAX_PROBLEMS_SHOWN)
+        raise HarnessError(f"{source} is invalid: {problems}") from None

@@ -34,6 +34,7 @@ from wmo_trio.providers.base import (
 )
 from wmo_trio.providers.recording import RecordingProvider
 from wmo_trio.providers.retry import RetryingProvider, RetryPolicy
+from wmo_trio.settings import validation_problem
 
 __all__ = [
     "CallControl",
@@ -82,24 +83,26 @@ def parse_provider_config(data: ProviderConfig | Mapping[str, Any]) -> ProviderC
         try:
             config = ProviderConfig.model_validate(dict(data))
         except ValidationError as error:
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in error.errors()
-            )
+            problems = validation_problem(error, whole="config")
             raise ProviderConfigError(f"invalid provider config: {problems}") from None
-    if config.kind not in _REGISTRY:
-        raise ProviderConfigError(
-            f"unknown provider kind {config.kind!r}; known kinds: {', '.join(known_kinds())}"
-        )
+    _import_path(config.kind)
     return config
 
 
 def provider_class(kind: str) -> Any:
-    if kind not in _REGISTRY:
+    module_name, _, class_name = _import_path(kind).partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def _import_path(kind: str) -> str:
+    """Where the class of provider `kind` is; a `ProviderConfigError` naming the known
+    kinds when there is no such kind."""
+    path = _REGISTRY.get(kind)
+    if path is None:
         raise ProviderConfigError(
             f"unknown provider kind {kind!r}; known kinds: {', '.join(known_kinds())}"
         )
-    module_name, _, class_name = _REGISTRY[kind].partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return path
 
 
 def build_provider(

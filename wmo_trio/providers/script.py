@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from wmo_trio.models import TokenUsage
 from wmo_trio.providers.base import FinishReason, Message, ProviderConfigError
+from wmo_trio.settings import validation_problem
 
 ErrorKind = Literal[
     "rate_limit", "overloaded", "server", "connection", "timeout", "bad_request", "unexpected"
@@ -76,9 +77,7 @@ def load_script(source: str | Path | Sequence[Any]) -> list[ScriptedReply]:
         try:
             replies.append(ScriptedReply.model_validate(entry))
         except ValidationError as error:
-            problem = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'reply'}: {e['msg']}" for e in error.errors()
-            )
+            problem = validation_problem(error, whole="reply")
             raise ProviderConfigError(f"{where}: reply {index}: {problem}") from None
     return replies
 

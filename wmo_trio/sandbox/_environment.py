@@ -20,6 +20,7 @@ from harbor.environments.capabilities import (
     EnvironmentResourceCapabilities,
 )
 from harbor.environments.definition import require_agent_environment_definition
+from harbor.models.job.config import JobConfig
 from harbor.models.task.config import NetworkMode
 from harbor.models.trial.config import ResourceMode
 from harbor.models.trial.paths import EnvironmentPaths
@@ -652,20 +653,20 @@ def _count(name: str, value: object, *, minimum: int, zero: str = "") -> int:
 
 def _job_sources(config_path: Path) -> list[Path]:
     """The dataset and task directories a harbor job's ``config.json`` names (local
-    paths and download directories); none when there is no such file."""
+    paths and download directories), read through harbor's own model; none when there
+    is no such file."""
     try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError):
+        config = JobConfig.model_validate_json(config_path.read_bytes())
+    except FileNotFoundError:
         return []
-    found = []
-    if isinstance(config, dict):
-        for key in ("datasets", "tasks"):
-            for source in config.get(key) or []:
-                for field in ("path", "download_dir"):
-                    value = source.get(field) if isinstance(source, dict) else None
-                    if isinstance(value, str) and value:
-                        found.append(Path(value).absolute())
-    return found
+    except (OSError, ValueError) as error:
+        logging.getLogger(__name__).warning(
+            "the job's %s cannot be read (%s); its other tasks stay visible to its trials "
+            "unless they lie beside this one", config_path, error)
+        return []
+    sources = [*config.datasets, *config.tasks]
+    return [Path(value).absolute() for source in sources
+            for value in (source.path, source.download_dir) if value is not None]
 
 
 def _keep(state: StateDir) -> Path:

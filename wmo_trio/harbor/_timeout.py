@@ -1,0 +1,49 @@
+"""harbor's agent timeout as the agent's `run()` can know it: the one reach into harbor's
+call stack for it.
+
+harbor 0.25 tells an agent nothing of its timeout (only its own oracle agent gets
+`agent_timeout_sec`), yet a trace must say whether harbor's timeout or another
+cancellation (Ctrl-C, a failed sibling trial) stopped an episode. harbor's trial awaits
+the agent's `run()` as `asyncio.wait_for(run(...), timeout=...)` in the same task, so the
+timeout stands in the frames just above `run()`. `tests/test_harbor_internals.py` checks
+on harbor's own trial code that it still does, and `tests/test_harbor_agent.py` on a real
+harbor job that a timed-out trial says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+
+# harbor read its clock a little before the agent's run() starts.
+_DEADLINE_SLACK_S = 0.05
+# The frames between the agent's run() and harbor's wait_for (a task step, harbor's own).
+_FRAMES_SEARCHED = 8
+
+
+def harbor_agent_timeout() -> Callable[[], bool] | None:
+    """Called by an agent's `run()` itself, first: a way to tell, when the run is
+    cancelled, whether harbor's agent timeout did it; None when harbor set no timeout (or
+    `run()` was not awaited by harbor).
+
+    The caller's awaiting frames are searched for an `asyncio.Timeout` bound to a name
+    (asked whether it `expired()`), or for `wait_for`'s own frame, whose `timeout` is read
+    as a deadline on the monotonic clock from now, less a little slack.
+    """
+    frame = sys._getframe(2)  # the frame that awaits the caller's run()
+    for _ in range(_FRAMES_SEARCHED):
+        if frame is None:
+            return None
+        for value in frame.f_locals.values():
+            if isinstance(value, asyncio.Timeout):
+                return value.expired
+        if frame.f_code is asyncio.wait_for.__code__:
+            timeout = frame.f_locals.get("timeout")
+            if isinstance(timeout, int | float) and not isinstance(timeout, bool):
+                deadline = time.monotonic() + timeout - _DEADLINE_SLACK_S
+                return lambda: time.monotonic() >= deadline
+            return None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
