@@ -17,7 +17,7 @@ from wmo_trio.episode.services import tools_text
 from wmo_trio.harness import HarnessDoc, parse_harness
 from wmo_trio.models import ActionKind, RunResult, StopReason
 
-# The program the README shows: a text-protocol agent over the kit.
+# The program docs/documents.md shows: a text-protocol agent over the kit.
 AGENT = """
 def run(kit):
     system = kit.system_prompt + "\\n\\n" + kit.tools_text()
@@ -123,7 +123,7 @@ def returned(result: RunResult) -> str:
 
 
 def test_a_program_that_returns_without_submitting_has_not_submitted(tmp_path: Path) -> None:
-    """The README's example program, given a reply with no tool call, returned the reply:
+    """The example program of docs/documents.md, given a reply with no tool call, returned the reply:
     the episode read `submitted` with 0 turns and the model's excuse as its answer."""
     source = """
     def run(kit):

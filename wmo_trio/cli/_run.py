@@ -89,7 +89,7 @@ def _environment_config(name: str | None) -> Any:
         name = "docker" if docker_daemon_answers() else LOCAL_ENVIRONMENT
         if name == LOCAL_ENVIRONMENT:
             sys.stderr.write("wmo-trio: no Docker daemon answers; running tasks in the "
-                             f"docker-free sandbox ({LOCAL_ENVIRONMENT}, see the README)\n")
+                             f"docker-free sandbox ({LOCAL_ENVIRONMENT}, see docs/sandbox.md)\n")
     if ":" in name:
         return EnvironmentConfig(import_path=name)
     try:

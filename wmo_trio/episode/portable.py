@@ -121,7 +121,7 @@ def _as_tool_call(value: object) -> dict[str, Any] | None:
 
 
 class Kit:
-    """What `run(kit)` receives; the README documents it for document authors.
+    """What `run(kit)` receives; docs/documents.md documents it for document authors.
 
     `channel` is the host (see `run_episode`); every call goes through it.
     """

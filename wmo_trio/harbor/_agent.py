@@ -95,7 +95,7 @@ def _provider_config(value: object) -> ProviderConfig:
 
 
 class AgentArguments(AgentOptions, EpisodeSettings, BackendChoice):  # type: ignore[misc]
-    """The agent's keyword arguments (README: "the agent's keyword arguments"), declared
+    """The agent's keyword arguments (docs/agent.md, "The agent's keyword arguments"), declared
     once: harbor's options model for the agent (`options_model`), which harbor validates
     at preflight and again in every trial's constructor. The document is parsed
     (`harness_from`) and the provider configuration read (`parse_provider_config`);
