@@ -27,9 +27,12 @@ $(STAMP): pyproject.toml constraints.txt scripts/find-python
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench]'
 	@touch $(STAMP)
 
-# The whole suite, with lint and types: what CI runs.
+# The whole suite, with lint and types: what CI runs. Most of its time is harbor jobs and
+# sandboxes waiting on subprocesses, so it runs in TEST_PROCESSES processes; tests that
+# share a module's job run in one of them (tests/conftest.py).
+TEST_PROCESSES := 2
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup
 
 # The edit-and-test loop: everything but harbor trials, soak-like hypothesis schedules,
 # sandboxes and subprocess runs (the `slow` marker), on both cores, in under a minute.
