@@ -385,13 +385,9 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         targets = dict.fromkeys([*self._mount_targets(writable_only=True),
                                  *map(str, (paths.agent_dir, paths.verifier_dir,
                                             paths.artifacts_dir))])
-        script = ('mkdir -p -- "$1"; shift; for d; do mkdir -p -- "$d" && chmod 777 -- "$d"; '
-                  'done; if [ -x /bin/bash ]; then echo bash; else echo sh; fi')
-        completed = await sandbox.channel.run(
-            ["sh", "-c", script, "sh", self._default_workdir, *targets],
-            env={"PATH": DEFAULT_PATH}, cwd="/",
-        )
-        self._shell = completed.stdout.decode().strip() or "sh"
+        # By the helper itself: a shell and a mkdir and chmod per directory cost more
+        # than the rest of the start.
+        self._shell = await sandbox.channel.prepare([self._default_workdir], list(targets))
         entrypoint = self._config.entrypoint
         if entrypoint:
             shell = self._config.shell
