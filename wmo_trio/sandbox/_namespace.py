@@ -262,7 +262,7 @@ class Sandbox:
         if reason is not None:
             raise unavailable(reason)
         root = state.path / "root"
-        mounts = await asyncio.to_thread(_prepare_root, state, host, image_layer, binds,
+        mount = await asyncio.to_thread(_prepare_root, state, host, image_layer, binds,
                                          etc_files or {})
         helper_fd = os.open(HELPER, os.O_RDONLY)
         seccomp_fd = filter_fd(CAPABILITIES)
@@ -304,7 +304,7 @@ class Sandbox:
                      for path in (cgroup.procs_files if cgroup else ())]
             # A new anonymous session keyring, so that no key of harbor's session is
             # within reach even if a key system call ever got through the filter.
-            script = " && ".join([*joins, *mounts, "exec keyctl session - "
+            script = " && ".join([*joins, mount, "exec keyctl session - "
                                   + " ".join(_quote(word) for word in bwrap)])
             process = await asyncio.create_subprocess_exec(
                 "unshare", "--mount", "--propagation", "private", "sh", "-c", script,
@@ -425,33 +425,38 @@ class Sandbox:
         return "the trial's sandbox died: " + ended
 
     async def stop(self) -> None:
-        """End every process of the sandbox (closing the helper's socket ends its PID
+        """End every process of the sandbox (the helper's death, as PID 1, ends its PID
         namespace) and its network stack. Its state directory is left to the caller."""
         if self.stopped:
             return
         self.stopped = True
         if self.helper_pidfd >= 0:
+            # Killed rather than told: it need not be scheduled to see its socket close
+            # and run its interpreter's exit before the kernel ends the rest.
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.helper_pidfd, signal.SIGKILL)
             os.close(self.helper_pidfd)
             self.helper_pidfd = -1
         await self.channel.close()
-        await _end(self.process)
+        # slirp4netns ends while the namespace does, not after it.
         if self.network_exit_fd is not None:
             os.close(self.network_exit_fd)
             self.network_exit_fd = None
-        if self.network is not None:
-            await _end(self.network)
+        await asyncio.gather(*(_end(process) for process in (self.process, self.network)
+                               if process is not None))
         if self.cgroup is not None:
             await asyncio.to_thread(self.cgroup.remove)
 
 
 def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
-                  binds: Sequence[Bind], etc_files: dict[str, str]) -> list[str]:
-    """Make the state's upper, work, hiding and mount-point directories; the mount
-    commands."""
+                  binds: Sequence[Bind], etc_files: dict[str, str]) -> str:
+    """Make the state's upper, work, hiding and mount-point directories, and the table
+    of the overlays to mount (``fstab`` in the state directory; a parent before its
+    children, the order ``mount --all`` keeps); the command that mounts them."""
     upper, work, root = state.path / "upper", state.path / "work", state.path / "root"
     hiding = state.path / "hidden"
     make_hiding_layer(hiding, host.hidden)
-    mounts = []
+    mounts: list[str] = []
     for name in ("", *host.system):
         (upper / (name or "_root")).mkdir(parents=True, exist_ok=True)
         (work / (name or "_root")).mkdir(parents=True, exist_ok=True)
@@ -464,8 +469,10 @@ def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
             if image_layer is not None:
                 lower.insert(0, str(image_layer / "_root"))
         options = _overlay_options(lower, upper / (name or "_root"), work / (name or "_root"))
-        mounts.append(f"mount -t overlay -o {options},nodev overlay {root}/{name}")
+        mounts.append(f"overlay {root}/{name} overlay {options},nodev 0 0\n")
     root.mkdir(exist_ok=True)
+    # One table for one run of mount(8): a run per overlay costs a start of it each.
+    (state.path / "fstab").write_text("".join(mounts))
     for bind in binds:
         # bubblewrap makes missing mount points mode 0700; Docker makes them 0755.
         top = bind.target.strip("/").split("/")[0]
@@ -475,7 +482,7 @@ def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
     for relative, text in etc_files.items():
         target = upper / "etc" / relative
         target.write_text(text)
-    return mounts
+    return f"mount --all --fstab {_quote(str(state.path / 'fstab'))}"
 
 
 def _quote(word: str) -> str:
