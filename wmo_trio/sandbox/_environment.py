@@ -428,7 +428,10 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
 
     async def stop(self, delete: bool) -> None:
         """End every process of the trial; remove its upper directories unless
-        ``delete`` is false, in which case they are kept for inspection.
+        ``delete`` is false, in which case they are kept for inspection. Once it
+        returns, no process of the trial runs; the directories go in a thread of their
+        own meanwhile, which this process waits for at its exit
+        (``wmo_trio.sandbox._namespace.wait_for_removals``).
 
         Safe to call twice or without ``start``.
         """
@@ -443,7 +446,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             if delete:
-                await asyncio.to_thread(sandbox.state.remove)
+                sandbox.state.remove_later()
             else:
                 kept = await asyncio.to_thread(_keep, sandbox.state)
                 self.logger.info("Kept the trial's filesystem changes in %s", kept)

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import select
@@ -26,6 +27,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,7 +40,8 @@ from wmo_trio.sandbox._processes import Channel, wait_readable
 from wmo_trio.sandbox._rootfs import HostLayers, make_hiding_layer
 from wmo_trio.sandbox._seccomp import filter_fd, filter_problem
 
-__all__ = ["Bind", "Sandbox", "SandboxUnavailableError", "StateDir", "remove_stale_states"]
+__all__ = ["Bind", "Sandbox", "SandboxUnavailableError", "StateDir", "remove_stale_states",
+           "wait_for_removals"]
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Bounds a hang only: a start takes milliseconds, but seconds on a saturated machine.
@@ -141,6 +144,46 @@ class StateDir:
         with contextlib.suppress(FileNotFoundError):
             self.lock_path.unlink()
         os.close(self.lock_fd)
+
+    def remove_later(self) -> None:
+        """:meth:`remove` in a thread of its own, once nothing runs in the sandbox any
+        more: a trial's stop need not wait for its files to go. The lock is held till
+        they are gone, so no other start takes the directory for a stale one; the
+        interpreter waits for the thread at its exit (as does :func:`wait_for_removals`),
+        and a process killed meanwhile leaves the rest to a later start."""
+
+        def remove() -> None:
+            try:
+                self.remove()
+            except OSError as error:
+                logging.getLogger(__name__).warning(
+                    "could not remove the sandbox directory %s: %s", self.path, error)
+            finally:
+                with _REMOVING_LOCK:
+                    _REMOVING.discard(thread)
+
+        thread = threading.Thread(target=remove, name=f"remove {self.path.name}", daemon=False)
+        with _REMOVING_LOCK:
+            _REMOVING.add(thread)
+        thread.start()
+
+
+# The threads of StateDir.remove_later still running.
+_REMOVING: set[threading.Thread] = set()
+_REMOVING_LOCK = threading.Lock()
+
+
+def wait_for_removals() -> None:
+    """Wait until every state directory this process is removing in the background is
+    gone (or failed to go, with a warning)."""
+    while True:
+        with _REMOVING_LOCK:
+            pending = next(iter(_REMOVING), None)
+        if pending is None:
+            return
+        pending.join()
+        with _REMOVING_LOCK:
+            _REMOVING.discard(pending)
 
 
 def same_file(fd: int, path: Path) -> bool:
