@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 from typing import Any
@@ -94,3 +95,15 @@ def test_a_cancelled_close_still_closes_the_socket_and_unwatches_it() -> None:
             theirs.close()
 
     asyncio.run(scenario())
+
+
+def test_the_helpers_replies_are_json_the_host_reads_back_whatever_their_text() -> None:
+    # The helper writes its replies without json (an import its start cannot afford);
+    # an error names a trial's program and the system's message, whatever they hold.
+    from wmo_trio.sandbox._helper import to_json
+
+    for text in ["", "plain", 'a "quote" and a \\ backslash', "controls \x00\x1b\n\t\x7f",
+                 "non-ASCII é ✓ 🙂", "lone surrogates \ud800 \udfff"]:
+        message = {"id": 7, "error": f"cannot run {text}", "code": 126}
+        assert json.loads(to_json(message)) == message
+    assert json.loads(to_json({"op": "ready"})) == {"op": "ready"}

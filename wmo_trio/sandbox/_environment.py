@@ -452,17 +452,21 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         if sandbox is None:
             return
         try:
-            await sandbox.stop()
+            await sandbox.stop(linger=delete)
             task, self._entrypoint_task = self._entrypoint_task, None
             if task is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             if delete:
-                sandbox.state.remove_later()
+                # There too: slirp4netns's exit, and the overlays' unmounting before
+                # their directories go.
+                sandbox.state.remove_later(first=sandbox.finish)
             else:
                 kept = await asyncio.to_thread(_keep, sandbox.state)
                 self.logger.info("Kept the trial's filesystem changes in %s", kept)
         finally:
+            if sandbox.unfinished and not sandbox.state.removing:
+                sandbox.finish()  # a stop that failed: nothing is left behind
             if image is not None:
                 image.release()
 

@@ -26,10 +26,11 @@ import select
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,7 @@ class StateDir:
     path: Path
     lock_path: Path
     lock_fd: int
+    removing: bool = False  # handed to remove_later
 
     @classmethod
     def create(cls, root: Path, name: str) -> StateDir:
@@ -145,15 +147,18 @@ class StateDir:
             self.lock_path.unlink()
         os.close(self.lock_fd)
 
-    def remove_later(self) -> None:
+    def remove_later(self, first: Callable[[], None] | None = None) -> None:
         """:meth:`remove` in a thread of its own, once nothing runs in the sandbox any
         more: a trial's stop need not wait for its files to go. The lock is held till
         they are gone, so no other start takes the directory for a stale one; the
         interpreter waits for the thread at its exit (as does :func:`wait_for_removals`),
-        and a process killed meanwhile leaves the rest to a later start."""
+        and a process killed meanwhile leaves the rest to a later start. ``first`` runs
+        in the thread before the removal."""
 
         def remove() -> None:
             try:
+                if first is not None:
+                    first()
                 self.remove()
             except OSError as error:
                 logging.getLogger(__name__).warning(
@@ -162,6 +167,7 @@ class StateDir:
                 with _REMOVING_LOCK:
                     _REMOVING.discard(thread)
 
+        self.removing = True
         thread = threading.Thread(target=remove, name=f"remove {self.path.name}", daemon=False)
         with _REMOVING_LOCK:
             _REMOVING.add(thread)
@@ -252,12 +258,16 @@ class Sandbox:
     channel: Channel
     helper_pid: int
     state: StateDir
-    network: asyncio.subprocess.Process | None = None
+    # Not asyncio's: a stop may leave its exit to a thread (see stop).
+    network: subprocess.Popen[bytes] | None = None
     network_exit_fd: int | None = None
     cgroup: TrialCgroup | None = None
     stopped: bool = field(default=False)
     # Names the helper itself, never a later process given its pid.
     helper_pidfd: int = -1
+    # The launch's and the sandbox's mount namespaces, held so that the processes'
+    # exits need not unmount the overlays (see stop).
+    mount_namespaces: list[int] = field(default_factory=list)
 
     @property
     def upper(self) -> Path:
@@ -370,6 +380,7 @@ class Sandbox:
                 raise unavailable(await _launch_failure(process, state)) from None
             sandbox = cls(process=process, channel=channel, helper_pid=helper_pid, state=state,
                           cgroup=cgroup, helper_pidfd=helper_pidfd)
+            sandbox.mount_namespaces = _mount_namespaces(process.pid, helper_pid, helper_pidfd)
             if network:
                 await sandbox._start_network()
             try:
@@ -420,13 +431,13 @@ class Sandbox:
         ready_read, ready_write = os.pipe()
         exit_read, exit_write = os.pipe()
         try:
-            self.network = await asyncio.create_subprocess_exec(
-                "slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
-                f"--ready-fd={ready_write}", f"--exit-fd={exit_read}",
-                str(self.helper_pid), "tap0",
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE, pass_fds=(ready_write, exit_read),
-                start_new_session=True,
+            # Popen returns once the program is exec'd, as asyncio's own start does.
+            self.network = subprocess.Popen(  # noqa: ASYNC220
+                ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
+                 f"--ready-fd={ready_write}", f"--exit-fd={exit_read}",
+                 str(self.helper_pid), "tap0"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                pass_fds=(ready_write, exit_read), start_new_session=True,
             )
             self.network_exit_fd = exit_write
             exit_write = -1
@@ -441,7 +452,9 @@ class Sandbox:
             os.close(ready_read)
         if not ready:
             assert self.network is not None and self.network.stderr is not None
-            detail = (await self.network.stderr.read()).decode(errors="replace").strip()
+            # It said nothing on its ready descriptor: it has exited, or is exiting.
+            output = await asyncio.to_thread(self.network.stderr.read, LAUNCH_LOG_TAIL)
+            detail = output.decode(errors="replace").strip()
             raise unavailable(f"slirp4netns could not give the sandbox a network: "
                               f"{detail.splitlines()[-1] if detail else 'it exited'}")
 
@@ -467,9 +480,16 @@ class Sandbox:
                       "filesystems count against it)")
         return "the trial's sandbox died: " + ended
 
-    async def stop(self) -> None:
+    async def stop(self, linger: bool = False) -> None:
         """End every process of the sandbox (the helper's death, as PID 1, ends its PID
-        namespace) and its network stack. Its state directory is left to the caller."""
+        namespace) and its network stack. Its state directory is left to the caller.
+
+        Unmounting the overlays and removing slirp4netns's network device wait for the
+        kernel (RCU grace periods, tens of ms on a busy machine). The sandbox's mount
+        namespaces are held meanwhile, so its processes end without unmounting. With
+        ``linger``, neither is waited for once no process of the sandbox runs: the
+        namespaces stay held (mounted in no process's namespace) and slirp4netns's exit
+        unreaped until :meth:`finish`, which the caller may leave to a thread."""
         if self.stopped:
             return
         self.stopped = True
@@ -485,10 +505,50 @@ class Sandbox:
         if self.network_exit_fd is not None:
             os.close(self.network_exit_fd)
             self.network_exit_fd = None
-        await asyncio.gather(*(_end(process) for process in (self.process, self.network)
-                               if process is not None))
+        await _end(self.process)
         if self.cgroup is not None:
             await asyncio.to_thread(self.cgroup.remove)
+        if not linger:
+            await asyncio.to_thread(self.finish)
+
+    @property
+    def unfinished(self) -> bool:
+        """A stop left something to :meth:`finish`."""
+        return bool(self.mount_namespaces) or (self.network is not None
+                                               and self.network.returncode is None)
+
+    def finish(self) -> None:
+        """Wait for slirp4netns's exit and let the kernel unmount the overlays, once
+        the sandbox is stopped; blocks until both are done."""
+        if self.network is not None:
+            try:
+                self.network.wait(timeout=STOP_TIMEOUT_SEC)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.network.pid, signal.SIGKILL)
+                self.network.wait()
+            if self.network.stderr is not None:
+                self.network.stderr.close()
+        held, self.mount_namespaces = self.mount_namespaces, []
+        for fd in held:
+            os.close(fd)
+
+
+def _mount_namespaces(launcher: int, helper: int, helper_pidfd: int) -> list[int]:
+    """Descriptors of the launch's mount namespace (the overlays' first) and the
+    sandbox's; none if either process is gone (its pid could name another's)."""
+    held: list[int] = []
+    try:
+        for pid in (launcher, helper):
+            held.append(os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC))
+    except OSError:
+        pass
+    # The launcher is this process's child, not yet waited for: its pid is its own.
+    if len(held) < 2 or select.select([helper_pidfd], [], [], 0)[0]:
+        for fd in held:
+            os.close(fd)
+        return []
+    return held
 
 
 def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
