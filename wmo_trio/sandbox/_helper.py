@@ -454,7 +454,7 @@ def make_undumpable() -> None:
 
 def main() -> None:
     make_undumpable()
-    # Started with the helper's own source on fd 3; the commands must not inherit it.
+    # Started with its program on a descriptor of its own; the commands must not inherit it.
     os.closerange(3, 1 << 16)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     channel = socket.socket(fileno=0)

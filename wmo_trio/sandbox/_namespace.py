@@ -16,8 +16,10 @@ session keyring of the sandbox's own, joined before bubblewrap starts.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -317,7 +319,7 @@ class Sandbox:
         root = state.path / "root"
         mount = await asyncio.to_thread(_prepare_root, state, host, image_layer, binds,
                                          etc_files or {})
-        helper_fd = os.open(HELPER, os.O_RDONLY)
+        helper_fd = _read_only_memfd(await asyncio.to_thread(helper_program))
         seccomp_fd = filter_fd(CAPABILITIES)
         # bubblewrap reads each of these to its end, then closes it.
         empty_fds = [os.open(os.devnull, os.O_RDONLY) for _ in PROC_MASKED]
@@ -532,6 +534,54 @@ class Sandbox:
         held, self.mount_namespaces = self.mount_namespaces, []
         for fd in held:
             os.close(fd)
+
+
+# Run by the host's own python3: the helper's code object, marshalled after the magic
+# number of the interpreter that compiled it.
+_COMPILE = ("import marshal, sys; from _frozen_importlib_external import MAGIC_NUMBER; "
+            "sys.stdout.buffer.write(MAGIC_NUMBER + marshal.dumps(compile("
+            "sys.stdin.buffer.read(), '_helper.py', 'exec')))")
+# What bubblewrap's python3 runs: the compiled helper when it is this interpreter's
+# bytecode, else its source.
+_BOOTSTRAP = """\
+import marshal
+from binascii import a2b_base64
+from _frozen_importlib_external import MAGIC_NUMBER
+COMPILED = a2b_base64({compiled!r})
+if COMPILED[:len(MAGIC_NUMBER)] == MAGIC_NUMBER:
+    exec(marshal.loads(COMPILED[len(MAGIC_NUMBER):]))
+else:
+    exec(compile({source!r}, "_helper.py", "exec"))
+"""
+
+
+@functools.cache
+def helper_program() -> bytes:
+    """The helper as bubblewrap's ``python3 -I -S`` runs it. Compiling the helper's
+    source is most of its start after the interpreter's own, so the host's python3
+    (the one a sandbox finds unless its image brings its own) compiles it once per
+    process; a sandbox's python3 of another version compiles the source itself."""
+    source = HELPER.read_bytes()
+    compiled = b""
+    python = shutil.which("python3", path=DEFAULT_PATH)
+    if python is not None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            completed = subprocess.run([python, "-I", "-S", "-c", _COMPILE], input=source,
+                                       capture_output=True, timeout=STOP_TIMEOUT_SEC, env={})
+            if completed.returncode == 0:
+                compiled = completed.stdout
+    return _BOOTSTRAP.format(compiled=base64.b64encode(compiled).decode(),
+                             source=source.decode()).encode()
+
+
+def _read_only_memfd(data: bytes) -> int:
+    """A read-only descriptor of a new in-memory file holding ``data``."""
+    writable = os.memfd_create("wmo-trio-helper", os.MFD_CLOEXEC)
+    try:
+        os.write(writable, data)
+        return os.open(f"/proc/self/fd/{writable}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(writable)
 
 
 def _mount_namespaces(launcher: int, helper: int, helper_pidfd: int) -> list[int]:
