@@ -317,9 +317,14 @@ class Sandbox:
         if reason is not None:
             raise unavailable(reason)
         root = state.path / "root"
-        mount = await asyncio.to_thread(_prepare_root, state, host, image_layer, binds,
-                                         etc_files or {})
-        helper_fd = _read_only_memfd(await asyncio.to_thread(helper_program))
+
+        def prepare() -> tuple[str, bytes]:
+            # One hop to a thread for both: each hop is a wait for the loop.
+            return (_prepare_root(state, host, image_layer, binds, etc_files or {}),
+                    helper_program())
+
+        mount, program = await asyncio.to_thread(prepare)
+        helper_fd = _read_only_memfd(program)
         seccomp_fd = filter_fd(CAPABILITIES)
         # bubblewrap reads each of these to its end, then closes it.
         empty_fds = [os.open(os.devnull, os.O_RDONLY) for _ in PROC_MASKED]
