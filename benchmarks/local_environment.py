@@ -5,7 +5,10 @@ Two measurements:
 - ``start_stop``: environment ``start`` + ``stop(delete=True)`` for N sequential trials
   of the hello-file task (no exec in between), median and p90, with the task's image
   already built; the first trial, which builds the image into an empty cache, is
-  reported on its own.
+  reported on its own. Beside it, the floor under a start on this machine: bubblewrap
+  with nothing to set up (``bwrap --ro-bind / / true``), bubblewrap making a sandbox's
+  namespaces around ``true``, and the sandbox's ``python3 -I -S`` starting and exiting,
+  with the load average (the machine is shared).
 - ``job``: the wall time of an oracle job of hello-file trials run through harbor's own
   ``Job`` API, with the phase durations harbor records in each trial's result
   (environment setup, agent execution, verifier, and the remainder, which includes
@@ -21,6 +24,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +55,7 @@ async def _start_stop(n_trials: int, scratch: Path) -> dict[str, Any]:
     from harbor.models.trial.paths import TrialPaths
 
     from wmo_trio.harbor import LocalEnvironment
+    from wmo_trio.sandbox._namespace import wait_for_removals
 
     start_sec: list[float] = []
     stop_sec: list[float] = []
@@ -79,13 +84,38 @@ async def _start_stop(n_trials: int, scratch: Path) -> dict[str, Any]:
         start_sec.append(started - began)
         stop_sec.append(stopped - started)
         total_sec.append(stopped - began)
+    # A stop leaves the trial's files to a thread of their own: the last ones still go.
+    began = time.perf_counter()
+    await asyncio.to_thread(wait_for_removals)
     return {
         "n_trials": n_trials,
+        "load_average_1min": round(os.getloadavg()[0], 2),
         "first_build_start_plus_stop_ms": round(first_build_sec * 1000, 1),
         "start_plus_stop": _summary(total_sec),
         "start": _summary(start_sec),
         "stop": _summary(stop_sec),
+        "last_removal_wait_ms": round((time.perf_counter() - began) * 1000, 1),
     }
+
+
+def _floor(n_runs: int) -> dict[str, Any]:
+    """What a start costs on this machine before any of this project's work."""
+    namespaces = ["--proc", "/proc", "--dev", "/dev", "--unshare-pid", "--unshare-ipc",
+                  "--unshare-uts", "--unshare-net", "--unshare-cgroup", "--die-with-parent",
+                  "--as-pid-1"]
+    commands = {
+        "bwrap_true": ["bwrap", "--ro-bind", "/", "/", "true"],
+        "bwrap_namespaces_true": ["bwrap", "--ro-bind", "/", "/", *namespaces, "true"],
+        "python3_I_S_pass": ["python3", "-I", "-S", "-c", "pass"],
+    }
+    samples: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(n_runs):  # interleaved, so a burst of load hits each alike
+        for name, argv in commands.items():
+            began = time.perf_counter()
+            subprocess.run(argv, check=True, env={"PATH": "/usr/bin:/bin"})
+            samples[name].append(time.perf_counter() - began)
+    return {"load_average_1min": round(os.getloadavg()[0], 2),
+            **{name: _summary(values) for name, values in samples.items()}}
 
 
 def _duration(timing: dict[str, Any] | None) -> float | None:
@@ -157,6 +187,7 @@ def run(quick: bool) -> dict[str, Any]:
         (scratch / "start-stop").mkdir()
         (scratch / "job").mkdir()
         start_stop = asyncio.run(_start_stop(10 if quick else 50, scratch / "start-stop"))
+        floor = _floor(10 if quick else 50)
         # harbor draws its progress bar even when quiet: off, so no output carries it.
         with harbor_progress_hidden():
             job = asyncio.run(_job(8 if quick else 64, 4 if quick else 16, scratch / "job"))
@@ -165,6 +196,10 @@ def run(quick: bool) -> dict[str, Any]:
         # Flat headline figures first (what a summary table shows), details after.
         "start_stop_median_ms": start_stop["start_plus_stop"]["median_ms"],
         "start_stop_p90_ms": start_stop["start_plus_stop"]["p90_ms"],
+        "start_median_ms": start_stop["start"]["median_ms"],
+        "stop_median_ms": start_stop["stop"]["median_ms"],
+        "floor_bwrap_namespaces_median_ms": floor["bwrap_namespaces_true"]["median_ms"],
+        "floor_python3_median_ms": floor["python3_I_S_pass"]["median_ms"],
         "first_build_start_stop_ms": start_stop["first_build_start_plus_stop_ms"],
         "job_trials": job["n_trials"],
         "job_concurrency": job["n_concurrent"],
@@ -179,6 +214,7 @@ def run(quick: bool) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "python": sys.version.split()[0],
             "environment_start_stop": start_stop,
+            "start_floor": floor,
             "oracle_job": job,
         },
     }

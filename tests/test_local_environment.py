@@ -26,6 +26,7 @@ from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPol
 from harbor.models.trial.paths import EnvironmentPaths, TrialPaths
 
 from wmo_trio.harbor import LocalEnvironment
+from wmo_trio.sandbox._namespace import wait_for_removals
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = REPO / "examples" / "tasks"
@@ -700,6 +701,7 @@ def test_stop_leaves_no_process_mount_or_directory(tmp_path: Path) -> None:
 
         assert sleepers(seconds) == []
         assert mounts_mentioning(str(state_dir)) == []
+        await asyncio.to_thread(wait_for_removals)  # the directory goes after the stop
         assert list(state_dir.iterdir()) == []
         await environment.stop(delete=True)  # a second stop is harmless
 

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
+from wmo_trio.sandbox._namespace import DEFAULT_PATH, helper_program
 from wmo_trio.sandbox._processes import Channel
 
 # Bounds a hang only: the wake-up takes microseconds.
@@ -94,3 +100,34 @@ def test_a_cancelled_close_still_closes_the_socket_and_unwatches_it() -> None:
             theirs.close()
 
     asyncio.run(scenario())
+
+
+def test_the_helpers_replies_are_json_the_host_reads_back_whatever_their_text() -> None:
+    # The helper writes its replies without json (an import its start cannot afford);
+    # an error names a trial's program and the system's message, whatever they hold.
+    from wmo_trio.sandbox._helper import to_json
+
+    for text in ["", "plain", 'a "quote" and a \\ backslash', "controls \x00\x1b\n\t\x7f",
+                 "non-ASCII é ✓ 🙂", "lone surrogates \ud800 \udfff"]:
+        message = {"id": 7, "error": f"cannot run {text}", "code": 126}
+        assert json.loads(to_json(message)) == message
+    assert json.loads(to_json({"op": "ready"})) == {"op": "ready"}
+
+
+def test_the_helpers_program_starts_whether_its_python_compiled_it_or_not(tmp_path: Path) -> None:
+    # The host's python3 compiles the helper ahead of its start; another version (here
+    # this one, when it differs) compiles the source the program carries instead.
+    program = helper_program()
+    host_python = shutil.which("python3", path=DEFAULT_PATH)
+    assert host_python is not None
+    assert b"a2b_base64('')" not in program  # compiled by the host's python3
+    (tmp_path / "helper").write_bytes(program)
+    for python in sorted({host_python, sys.executable}):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with ours:
+            process = subprocess.Popen([python, "-I", "-S", str(tmp_path / "helper")],
+                                       stdin=theirs)
+            theirs.close()
+            ours.settimeout(WAKE_BOUND_SEC)
+            assert json.loads(ours.recv(1 << 16)) == {"op": "ready"}, python
+        assert process.wait(timeout=WAKE_BOUND_SEC) == 0

@@ -42,7 +42,7 @@ from wmo_trio.sandbox._namespace import (
     unavailable,
 )
 from wmo_trio.sandbox._processes import ChannelClosed, SpawnFailed
-from wmo_trio.sandbox._rootfs import host_layers
+from wmo_trio.sandbox._rootfs import HostLayers, host_layers
 
 __all__ = ["LocalEnvironment"]
 
@@ -279,12 +279,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         reason = missing_tools()
         if reason is not None:
             raise unavailable(reason)
-        await asyncio.to_thread(remove_stale_states, self._state_root)
-        await asyncio.to_thread(remove_stale_cgroups)
-        # Here, not only before a build: a build's leftovers would outlive every job
-        # whose images are all built already.
-        await asyncio.to_thread(self._cache.remove_leftovers)
-        host = await asyncio.to_thread(host_layers, self._cache.root, self._hidden_paths())
+        host = await asyncio.to_thread(self._sweep_and_find_layers)
         image: Image | None = None
         state: StateDir | None = None
         try:
@@ -298,14 +293,13 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             elif self.task_env_config.docker_image:
                 self.logger.debug("docker_image %s: the host's userland stands in for it",
                                   self.task_env_config.docker_image)
-            state = await asyncio.to_thread(StateDir.create, self._state_root, self.session_id)
+            state, binds = await asyncio.to_thread(self._state_and_binds)
             hostname = hashlib.sha256(self.session_id.encode()).hexdigest()[:12]
             etc = {"hostname": f"{hostname}\n",
                    "hosts": f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
                             f"127.0.1.1\t{hostname}\n"}
             if self._network:
                 etc["resolv.conf"] = "nameserver 10.0.2.3\n"
-            binds = await asyncio.to_thread(self._binds)
             limits = self._limits()
             self._sandbox = await Sandbox.launch(
                 state=state, host=host, image_layer=image.layer if image else None,
@@ -326,6 +320,24 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             self._image = None
             raise
         await self._upload_environment_dir_after_start()
+
+    def _sweep_and_find_layers(self) -> HostLayers:
+        """Remove what dead processes left (sandboxes' directories and cgroups, builds'
+        leftovers: here, not only before a build, or they would outlive every job whose
+        images are all built); the host's layers. One thread for all: each hop to a
+        thread costs the start a wait for the loop."""
+        remove_stale_states(self._state_root)
+        remove_stale_cgroups()
+        self._cache.remove_leftovers()
+        return host_layers(self._cache.root, self._hidden_paths())
+
+    def _state_and_binds(self) -> tuple[StateDir, list[Bind]]:
+        state = StateDir.create(self._state_root, self.session_id)
+        try:
+            return state, self._binds()
+        except BaseException:
+            state.remove()
+            raise
 
     async def _build_image(self, host: Any) -> Image:
         log_path = self.trial_paths.trial_dir / BUILD_LOG
@@ -386,13 +398,9 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         targets = dict.fromkeys([*self._mount_targets(writable_only=True),
                                  *map(str, (paths.agent_dir, paths.verifier_dir,
                                             paths.artifacts_dir))])
-        script = ('mkdir -p -- "$1"; shift; for d; do mkdir -p -- "$d" && chmod 777 -- "$d"; '
-                  'done; if [ -x /bin/bash ]; then echo bash; else echo sh; fi')
-        completed = await sandbox.channel.run(
-            ["sh", "-c", script, "sh", self._default_workdir, *targets],
-            env={"PATH": DEFAULT_PATH}, cwd="/",
-        )
-        self._shell = completed.stdout.decode().strip() or "sh"
+        # By the helper itself: a shell and a mkdir and chmod per directory cost more
+        # than the rest of the start.
+        self._shell = await sandbox.channel.prepare([self._default_workdir], list(targets))
         entrypoint = self._config.entrypoint
         if entrypoint:
             shell = self._config.shell
@@ -433,7 +441,10 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
 
     async def stop(self, delete: bool) -> None:
         """End every process of the trial; remove its upper directories unless
-        ``delete`` is false, in which case they are kept for inspection.
+        ``delete`` is false, in which case they are kept for inspection. Once it
+        returns, no process of the trial runs; the directories go in a thread of their
+        own meanwhile, which this process waits for at its exit
+        (``wmo_trio.sandbox._namespace.wait_for_removals``).
 
         Safe to call twice or without ``start``.
         """
@@ -442,17 +453,21 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         if sandbox is None:
             return
         try:
-            await sandbox.stop()
+            await sandbox.stop(linger=delete)
             task, self._entrypoint_task = self._entrypoint_task, None
             if task is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             if delete:
-                await asyncio.to_thread(sandbox.state.remove)
+                # There too: slirp4netns's exit, and the overlays' unmounting before
+                # their directories go.
+                sandbox.state.remove_later(first=sandbox.finish)
             else:
                 kept = await asyncio.to_thread(_keep, sandbox.state)
                 self.logger.info("Kept the trial's filesystem changes in %s", kept)
         finally:
+            if sandbox.unfinished and not sandbox.state.removing:
+                sandbox.finish()  # a stop that failed: nothing is left behind
             if image is not None:
                 image.release()
 

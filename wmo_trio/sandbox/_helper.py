@@ -3,8 +3,16 @@
 It is started by bubblewrap with ``--as-pid-1`` and runs under the image's own Python
 (``python3 -I -S``), so it imports only the standard library and keeps to Python 3.9
 syntax. Its standard input is a ``SOCK_SEQPACKET`` socket to the host; each packet is
-one JSON message, and a ``spawn`` request carries the command's three standard streams
-as file descriptors (``SCM_RIGHTS``), so output never passes through this process.
+one message: a request is a ``marshal`` (format 4) dict, which only the host can write
+(no process of the sandbox can reach this socket: see below), a reply is a JSON object,
+which the host reads as anything the trial could have made. A ``spawn`` request carries
+the command's three standard streams as file descriptors (``SCM_RIGHTS``), so output
+never passes through this process.
+
+It is on every trial's start path, so it imports little: ``os`` and modules the
+interpreter holds built in, not ``json``, ``socket``, ``signal``, ``array`` or
+``typing``, whose imports together cost more than the interpreter's own start (``pwd``
+and ``grp`` only once a command runs as another user).
 
 Requests (host to helper):
 
@@ -15,6 +23,10 @@ Requests (host to helper):
 - ``{"op": "clear", "id": N, "cgroup": "/services" or null}``: end every process but
   this one and the services' (those in that cgroup, else those the service commands
   started); replies ``{"id": N, "cleared": count}``.
+- ``{"op": "prepare", "id": N, "dirs": [...], "shared": [...]}``: make each directory
+  (with its parents) as ``mkdir -p`` does, each ``shared`` one also world-writable, as
+  Docker's start does for mount targets; replies ``{"id": N, "shell": "bash"}`` (or
+  ``"sh"`` when the root has no ``/bin/bash``).
 
 Replies: ``{"op": "ready"}`` once, then per command ``{"id": N, "pid": P}`` or
 ``{"id": N, "error": "...", "code": C}``, and ``{"id": N, "exit": status}``.
@@ -33,18 +45,20 @@ sandbox has, the kernel refuses all of these on a process that is not dumpable.
 
 from __future__ import annotations
 
-import array
-import grp
-import json
+import _socket as socket
+import marshal
 import os
-import pwd
 import select
-import signal
-import socket
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import signal
+    from collections.abc import Callable
+    from typing import Any
+else:
+    import _signal as signal
 
 # Set in every command's environment: finds a command's daemons even after they left
 # its session and were re-parented to this process.
@@ -55,6 +69,7 @@ OOM_SCORE_ADJ_MAX = 1000
 # Bounds a kill only for processes the kernel cannot end (stuck in uninterruptible I/O).
 KILL_WAIT_SEC = 20.0
 PR_SET_DUMPABLE = 4
+FD_SIZE = 4  # a C int, as SCM_RIGHTS carries descriptors (``array`` costs an import)
 
 
 class SpawnError(Exception):
@@ -68,6 +83,9 @@ def resolve_user(spec: Any) -> tuple[int, int, list[int], str]:
     ``name:group``), read from this sandbox's own /etc/passwd and /etc/group."""
     if spec is None or spec == 0 or spec == "root":
         return 0, 0, [0], "/root"
+    import grp
+    import pwd
+
     name, _, group = str(spec).partition(":")
     try:
         entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
@@ -137,16 +155,16 @@ def spawn(request: dict[str, Any], fds: list[int]) -> int:
                 code = 127 if isinstance(error, FileNotFoundError) else 126
                 raise SpawnError(f"cannot run {argv[0]}: {error.strerror}", code) from None
         except SpawnError as error:
-            os.write(report_write, json.dumps([str(error), error.code]).encode())
+            os.write(report_write, marshal.dumps([str(error), error.code]))
         except BaseException as error:
-            os.write(report_write, json.dumps([f"{type(error).__name__}: {error}", 126]).encode())
+            os.write(report_write, marshal.dumps([f"{type(error).__name__}: {error}", 126]))
         os._exit(126)
     os.close(report_write)
     with os.fdopen(report_read, "rb") as report:
         failure = report.read()
     if failure:
         os.waitpid(pid, 0)
-        message, code = json.loads(failure)
+        message, code = marshal.loads(failure)
         raise SpawnError(message, code)
     return pid
 
@@ -271,6 +289,42 @@ def kill_all(find: Callable[[], set[int]]) -> int:
     return killed
 
 
+def prepare(dirs: list[str], shared: list[str]) -> str:
+    """Make the directories as ``mkdir -p`` would (failures are the commands' to
+    meet), the ``shared`` ones mode 777; the shell commands run with."""
+    for path in [*dirs, *shared]:
+        try:
+            os.makedirs(os.path.join("/", path), exist_ok=True)
+            if path in shared:
+                os.chmod(os.path.join("/", path), 0o777)
+        except OSError:
+            pass
+    return "bash" if os.access("/bin/bash", os.X_OK) else "sh"
+
+
+def to_json(message: dict[str, Any]) -> bytes:
+    """A reply (string keys; integer and string values) as a JSON object."""
+    fields = []
+    for key, value in message.items():
+        text = str(value) if isinstance(value, int) else json_string(value)
+        fields.append(json_string(key) + ":" + text)
+    return ("{" + ",".join(fields) + "}").encode()
+
+
+def json_string(text: str) -> str:
+    """``text`` as a JSON string; lone surrogates escaped, so it encodes as UTF-8."""
+    out = ['"']
+    for char in text:
+        if char in '"\\':
+            out.append("\\" + char)
+        elif char < " " or "\ud800" <= char <= "\udfff":
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(char)
+    out.append('"')
+    return "".join(out)
+
+
 class Helper:
     def __init__(self, channel: socket.socket) -> None:
         self.channel = channel
@@ -278,7 +332,7 @@ class Helper:
         self.services: dict[int, str] = {}  # pid -> tag, of the service commands running
 
     def send(self, message: dict[str, Any]) -> None:
-        self.channel.sendall(json.dumps(message).encode())
+        self.channel.sendall(to_json(message))
 
     def handle(self, request: dict[str, Any], fds: list[int]) -> None:
         try:
@@ -299,6 +353,9 @@ class Helper:
             elif request["op"] == "clear":
                 cleared = kill_all(lambda: self.not_services(request.get("cgroup")))
                 self.send({"id": request["id"], "cleared": cleared})
+            elif request["op"] == "prepare":
+                self.send({"id": request["id"], "shell": prepare(request["dirs"],
+                                                                 request["shared"])})
         finally:
             for fd in fds:
                 os.close(fd)
@@ -345,23 +402,43 @@ class Helper:
             if wake_read in readable:
                 os.read(wake_read, 4096)
             if self.channel.fileno() in readable:
-                fds = array.array("i")
                 data, ancillary, _, _ = self.channel.recvmsg(
-                    MAX_MESSAGE, socket.CMSG_SPACE(16 * fds.itemsize)
+                    MAX_MESSAGE, socket.CMSG_SPACE(16 * FD_SIZE)
                 )
                 if not data:
                     return
+                fds = []
                 for level, kind, payload in ancillary:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        usable = len(payload) - len(payload) % fds.itemsize
-                        fds.frombytes(payload[:usable])
-                self.handle(json.loads(data), list(fds))
+                        for start in range(0, len(payload) - FD_SIZE + 1, FD_SIZE):
+                            fds.append(int.from_bytes(payload[start:start + FD_SIZE],
+                                                      sys.byteorder, signed=True))
+                self.handle(marshal.loads(data), fds)
 
 
 def make_undumpable() -> None:
     """Refuse ptrace, /proc/1/mem, /proc/1/environ, /proc/1/fd and pidfd_getfd to every
     other process of the sandbox. A command's fork inherits the state until its exec,
-    which makes it dumpable again."""
+    which makes it dumpable again.
+
+    The kernel resets a process's dumpable flag to ``fs.suid_dumpable`` whenever its
+    effective group changes: where that is 0 or 2 (both refuse all of the above to a
+    process without ``CAP_SYS_PTRACE``), a change there and back does it without
+    ``ctypes``, whose import costs as much as the rest of this start. Else, ``prctl``."""
+    try:
+        with open("/proc/sys/fs/suid_dumpable", "rb") as handle:
+            reset_to = handle.read().strip()
+    except OSError:
+        reset_to = b""
+    if reset_to in (b"0", b"2"):
+        group = os.getegid()
+        try:
+            os.setegid(group + 1 if group < 65534 else group - 1)
+            os.setegid(group)
+        except OSError as error:
+            sys.stderr.write(f"the sandbox's helper could not make itself undumpable: {error}\n")
+            sys.exit(1)
+        return
     try:
         import ctypes
 
@@ -377,7 +454,7 @@ def make_undumpable() -> None:
 
 def main() -> None:
     make_undumpable()
-    # Started with the helper's own source on fd 3; the commands must not inherit it.
+    # Started with its program on a descriptor of its own; the commands must not inherit it.
     os.closerange(3, 1 << 16)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     channel = socket.socket(fileno=0)
@@ -385,7 +462,8 @@ def main() -> None:
         Helper(channel).serve()
     except (BrokenPipeError, ConnectionResetError):
         pass
-    sys.exit(0)
+    # No interpreter teardown: the kernel ends the sandbox's processes once this exits.
+    os._exit(0)
 
 
 if __name__ == "__main__":

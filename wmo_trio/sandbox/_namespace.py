@@ -16,18 +16,23 @@ session keyring of the sandbox's own, joined before bubblewrap starts.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import fcntl
+import functools
 import json
+import logging
 import os
 import re
 import select
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
+import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +43,8 @@ from wmo_trio.sandbox._processes import Channel, wait_readable
 from wmo_trio.sandbox._rootfs import HostLayers, make_hiding_layer
 from wmo_trio.sandbox._seccomp import filter_fd, filter_problem
 
-__all__ = ["Bind", "Sandbox", "SandboxUnavailableError", "StateDir", "remove_stale_states"]
+__all__ = ["Bind", "Sandbox", "SandboxUnavailableError", "StateDir", "remove_stale_states",
+           "wait_for_removals"]
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Bounds a hang only: a start takes milliseconds, but seconds on a saturated machine.
@@ -119,6 +125,7 @@ class StateDir:
     path: Path
     lock_path: Path
     lock_fd: int
+    removing: bool = False  # handed to remove_later
 
     @classmethod
     def create(cls, root: Path, name: str) -> StateDir:
@@ -141,6 +148,50 @@ class StateDir:
         with contextlib.suppress(FileNotFoundError):
             self.lock_path.unlink()
         os.close(self.lock_fd)
+
+    def remove_later(self, first: Callable[[], None] | None = None) -> None:
+        """:meth:`remove` in a thread of its own, once nothing runs in the sandbox any
+        more: a trial's stop need not wait for its files to go. The lock is held till
+        they are gone, so no other start takes the directory for a stale one; the
+        interpreter waits for the thread at its exit (as does :func:`wait_for_removals`),
+        and a process killed meanwhile leaves the rest to a later start. ``first`` runs
+        in the thread before the removal."""
+
+        def remove() -> None:
+            try:
+                if first is not None:
+                    first()
+                self.remove()
+            except OSError as error:
+                logging.getLogger(__name__).warning(
+                    "could not remove the sandbox directory %s: %s", self.path, error)
+            finally:
+                with _REMOVING_LOCK:
+                    _REMOVING.discard(thread)
+
+        self.removing = True
+        thread = threading.Thread(target=remove, name=f"remove {self.path.name}", daemon=False)
+        with _REMOVING_LOCK:
+            _REMOVING.add(thread)
+        thread.start()
+
+
+# The threads of StateDir.remove_later still running.
+_REMOVING: set[threading.Thread] = set()
+_REMOVING_LOCK = threading.Lock()
+
+
+def wait_for_removals() -> None:
+    """Wait until every state directory this process is removing in the background is
+    gone (or failed to go, with a warning)."""
+    while True:
+        with _REMOVING_LOCK:
+            pending = next(iter(_REMOVING), None)
+        if pending is None:
+            return
+        pending.join()
+        with _REMOVING_LOCK:
+            _REMOVING.discard(pending)
 
 
 def same_file(fd: int, path: Path) -> bool:
@@ -209,12 +260,16 @@ class Sandbox:
     channel: Channel
     helper_pid: int
     state: StateDir
-    network: asyncio.subprocess.Process | None = None
+    # Not asyncio's: a stop may leave its exit to a thread (see stop).
+    network: subprocess.Popen[bytes] | None = None
     network_exit_fd: int | None = None
     cgroup: TrialCgroup | None = None
     stopped: bool = field(default=False)
     # Names the helper itself, never a later process given its pid.
     helper_pidfd: int = -1
+    # The launch's and the sandbox's mount namespaces, held so that the processes'
+    # exits need not unmount the overlays (see stop).
+    mount_namespaces: list[int] = field(default_factory=list)
 
     @property
     def upper(self) -> Path:
@@ -262,9 +317,14 @@ class Sandbox:
         if reason is not None:
             raise unavailable(reason)
         root = state.path / "root"
-        mounts = await asyncio.to_thread(_prepare_root, state, host, image_layer, binds,
-                                         etc_files or {})
-        helper_fd = os.open(HELPER, os.O_RDONLY)
+
+        def prepare() -> tuple[str, bytes]:
+            # One hop to a thread for both: each hop is a wait for the loop.
+            return (_prepare_root(state, host, image_layer, binds, etc_files or {}),
+                    helper_program())
+
+        mount, program = await asyncio.to_thread(prepare)
+        helper_fd = _read_only_memfd(program)
         seccomp_fd = filter_fd(CAPABILITIES)
         # bubblewrap reads each of these to its end, then closes it.
         empty_fds = [os.open(os.devnull, os.O_RDONLY) for _ in PROC_MASKED]
@@ -304,7 +364,7 @@ class Sandbox:
                      for path in (cgroup.procs_files if cgroup else ())]
             # A new anonymous session keyring, so that no key of harbor's session is
             # within reach even if a key system call ever got through the filter.
-            script = " && ".join([*joins, *mounts, "exec keyctl session - "
+            script = " && ".join([*joins, mount, "exec keyctl session - "
                                   + " ".join(_quote(word) for word in bwrap)])
             process = await asyncio.create_subprocess_exec(
                 "unshare", "--mount", "--propagation", "private", "sh", "-c", script,
@@ -327,6 +387,7 @@ class Sandbox:
                 raise unavailable(await _launch_failure(process, state)) from None
             sandbox = cls(process=process, channel=channel, helper_pid=helper_pid, state=state,
                           cgroup=cgroup, helper_pidfd=helper_pidfd)
+            sandbox.mount_namespaces = _mount_namespaces(process.pid, helper_pid, helper_pidfd)
             if network:
                 await sandbox._start_network()
             try:
@@ -377,13 +438,13 @@ class Sandbox:
         ready_read, ready_write = os.pipe()
         exit_read, exit_write = os.pipe()
         try:
-            self.network = await asyncio.create_subprocess_exec(
-                "slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
-                f"--ready-fd={ready_write}", f"--exit-fd={exit_read}",
-                str(self.helper_pid), "tap0",
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE, pass_fds=(ready_write, exit_read),
-                start_new_session=True,
+            # Popen returns once the program is exec'd, as asyncio's own start does.
+            self.network = subprocess.Popen(  # noqa: ASYNC220
+                ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
+                 f"--ready-fd={ready_write}", f"--exit-fd={exit_read}",
+                 str(self.helper_pid), "tap0"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                pass_fds=(ready_write, exit_read), start_new_session=True,
             )
             self.network_exit_fd = exit_write
             exit_write = -1
@@ -398,7 +459,9 @@ class Sandbox:
             os.close(ready_read)
         if not ready:
             assert self.network is not None and self.network.stderr is not None
-            detail = (await self.network.stderr.read()).decode(errors="replace").strip()
+            # It said nothing on its ready descriptor: it has exited, or is exiting.
+            output = await asyncio.to_thread(self.network.stderr.read, LAUNCH_LOG_TAIL)
+            detail = output.decode(errors="replace").strip()
             raise unavailable(f"slirp4netns could not give the sandbox a network: "
                               f"{detail.splitlines()[-1] if detail else 'it exited'}")
 
@@ -424,34 +487,134 @@ class Sandbox:
                       "filesystems count against it)")
         return "the trial's sandbox died: " + ended
 
-    async def stop(self) -> None:
-        """End every process of the sandbox (closing the helper's socket ends its PID
-        namespace) and its network stack. Its state directory is left to the caller."""
+    async def stop(self, linger: bool = False) -> None:
+        """End every process of the sandbox (the helper's death, as PID 1, ends its PID
+        namespace) and its network stack. Its state directory is left to the caller.
+
+        Unmounting the overlays and removing slirp4netns's network device wait for the
+        kernel (RCU grace periods, tens of ms on a busy machine). The sandbox's mount
+        namespaces are held meanwhile, so its processes end without unmounting. With
+        ``linger``, neither is waited for once no process of the sandbox runs: the
+        namespaces stay held (mounted in no process's namespace) and slirp4netns's exit
+        unreaped until :meth:`finish`, which the caller may leave to a thread."""
         if self.stopped:
             return
         self.stopped = True
         if self.helper_pidfd >= 0:
+            # Killed rather than told: it need not be scheduled to see its socket close
+            # and run its interpreter's exit before the kernel ends the rest.
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.helper_pidfd, signal.SIGKILL)
             os.close(self.helper_pidfd)
             self.helper_pidfd = -1
         await self.channel.close()
-        await _end(self.process)
+        # slirp4netns ends while the namespace does, not after it.
         if self.network_exit_fd is not None:
             os.close(self.network_exit_fd)
             self.network_exit_fd = None
-        if self.network is not None:
-            await _end(self.network)
+        await _end(self.process)
         if self.cgroup is not None:
             await asyncio.to_thread(self.cgroup.remove)
+        if not linger:
+            await asyncio.to_thread(self.finish)
+
+    @property
+    def unfinished(self) -> bool:
+        """A stop left something to :meth:`finish`."""
+        return bool(self.mount_namespaces) or (self.network is not None
+                                               and self.network.returncode is None)
+
+    def finish(self) -> None:
+        """Wait for slirp4netns's exit and let the kernel unmount the overlays, once
+        the sandbox is stopped; blocks until both are done."""
+        if self.network is not None:
+            try:
+                self.network.wait(timeout=STOP_TIMEOUT_SEC)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.network.pid, signal.SIGKILL)
+                self.network.wait()
+            if self.network.stderr is not None:
+                self.network.stderr.close()
+        held, self.mount_namespaces = self.mount_namespaces, []
+        for fd in held:
+            os.close(fd)
+
+
+# Run by the host's own python3: the helper's code object, marshalled after the magic
+# number of the interpreter that compiled it.
+_COMPILE = ("import marshal, sys; from _frozen_importlib_external import MAGIC_NUMBER; "
+            "sys.stdout.buffer.write(MAGIC_NUMBER + marshal.dumps(compile("
+            "sys.stdin.buffer.read(), '_helper.py', 'exec')))")
+# What bubblewrap's python3 runs: the compiled helper when it is this interpreter's
+# bytecode, else its source.
+_BOOTSTRAP = """\
+import marshal
+from binascii import a2b_base64
+from _frozen_importlib_external import MAGIC_NUMBER
+COMPILED = a2b_base64({compiled!r})
+if COMPILED[:len(MAGIC_NUMBER)] == MAGIC_NUMBER:
+    exec(marshal.loads(COMPILED[len(MAGIC_NUMBER):]))
+else:
+    exec(compile({source!r}, "_helper.py", "exec"))
+"""
+
+
+@functools.cache
+def helper_program() -> bytes:
+    """The helper as bubblewrap's ``python3 -I -S`` runs it. Compiling the helper's
+    source is most of its start after the interpreter's own, so the host's python3
+    (the one a sandbox finds unless its image brings its own) compiles it once per
+    process; a sandbox's python3 of another version compiles the source itself."""
+    source = HELPER.read_bytes()
+    compiled = b""
+    python = shutil.which("python3", path=DEFAULT_PATH)
+    if python is not None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            completed = subprocess.run([python, "-I", "-S", "-c", _COMPILE], input=source,
+                                       capture_output=True, timeout=STOP_TIMEOUT_SEC, env={})
+            if completed.returncode == 0:
+                compiled = completed.stdout
+    return _BOOTSTRAP.format(compiled=base64.b64encode(compiled).decode(),
+                             source=source.decode()).encode()
+
+
+def _read_only_memfd(data: bytes) -> int:
+    """A read-only descriptor of a new in-memory file holding ``data``."""
+    writable = os.memfd_create("wmo-trio-helper", os.MFD_CLOEXEC)
+    try:
+        os.write(writable, data)
+        return os.open(f"/proc/self/fd/{writable}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(writable)
+
+
+def _mount_namespaces(launcher: int, helper: int, helper_pidfd: int) -> list[int]:
+    """Descriptors of the launch's mount namespace (the overlays' first) and the
+    sandbox's; none if either process is gone (its pid could name another's)."""
+    held: list[int] = []
+    try:
+        for pid in (launcher, helper):
+            held.append(os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC))
+    except OSError:
+        pass
+    # The launcher is this process's child, not yet waited for: its pid is its own.
+    if len(held) < 2 or select.select([helper_pidfd], [], [], 0)[0]:
+        for fd in held:
+            os.close(fd)
+        return []
+    return held
 
 
 def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
-                  binds: Sequence[Bind], etc_files: dict[str, str]) -> list[str]:
-    """Make the state's upper, work, hiding and mount-point directories; the mount
-    commands."""
+                  binds: Sequence[Bind], etc_files: dict[str, str]) -> str:
+    """Make the state's upper, work, hiding and mount-point directories, and the table
+    of the overlays to mount (``fstab`` in the state directory; a parent before its
+    children, the order ``mount --all`` keeps); the command that mounts them."""
     upper, work, root = state.path / "upper", state.path / "work", state.path / "root"
     hiding = state.path / "hidden"
     make_hiding_layer(hiding, host.hidden)
-    mounts = []
+    mounts: list[str] = []
     for name in ("", *host.system):
         (upper / (name or "_root")).mkdir(parents=True, exist_ok=True)
         (work / (name or "_root")).mkdir(parents=True, exist_ok=True)
@@ -464,8 +627,10 @@ def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
             if image_layer is not None:
                 lower.insert(0, str(image_layer / "_root"))
         options = _overlay_options(lower, upper / (name or "_root"), work / (name or "_root"))
-        mounts.append(f"mount -t overlay -o {options},nodev overlay {root}/{name}")
+        mounts.append(f"overlay {root}/{name} overlay {options},nodev 0 0\n")
     root.mkdir(exist_ok=True)
+    # One table for one run of mount(8): a run per overlay costs a start of it each.
+    (state.path / "fstab").write_text("".join(mounts))
     for bind in binds:
         # bubblewrap makes missing mount points mode 0700; Docker makes them 0755.
         top = bind.target.strip("/").split("/")[0]
@@ -475,7 +640,7 @@ def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
     for relative, text in etc_files.items():
         target = upper / "etc" / relative
         target.write_text(text)
-    return mounts
+    return f"mount --all --fstab {_quote(str(state.path / 'fstab'))}"
 
 
 def _quote(word: str) -> str:

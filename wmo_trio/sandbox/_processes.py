@@ -9,6 +9,7 @@ import codecs
 import contextlib
 import fcntl
 import json
+import marshal
 import os
 import socket
 import uuid
@@ -126,7 +127,8 @@ class Channel:
     async def _send(self, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
         if self._closed:
             raise ChannelClosed("the sandbox is stopped")
-        payload = json.dumps(message).encode()
+        # The helper reads marshal, which it parses faster than it can import json.
+        payload = marshal.dumps(message, 4)
         ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         loop = asyncio.get_running_loop()
         while True:
@@ -290,6 +292,24 @@ class Channel:
         if "closed" in reply:
             raise ChannelClosed("the sandbox's helper exited")
         return int(reply["cleared"])
+
+    async def prepare(self, dirs: Sequence[str], shared: Sequence[str]) -> str:
+        """Make ``dirs`` and ``shared`` (with their parents) in the sandbox, as ``mkdir -p``
+        does, the ``shared`` ones world-writable; the shell commands run with there
+        (``bash``, else ``sh``)."""
+        request_id = self._next_id
+        self._next_id += 1
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._waiting[request_id] = queue
+        try:
+            await self._send({"op": "prepare", "id": request_id, "dirs": list(dirs),
+                              "shared": list(shared)})
+            reply = await queue.get()
+        finally:
+            del self._waiting[request_id]
+        if "closed" in reply:
+            raise ChannelClosed("the sandbox's helper exited")
+        return "bash" if reply.get("shell") == "bash" else "sh"
 
     async def _kill(self, request_id: int, queue: asyncio.Queue[dict[str, Any]]) -> None:
         """Kill a command's process tree and wait until the helper reports it gone;
