@@ -27,12 +27,13 @@ $(STAMP): pyproject.toml constraints.txt scripts/find-python
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench]'
 	@touch $(STAMP)
 
-# The whole suite, with lint and types: what CI runs. Most of its time is harbor jobs and
-# sandboxes waiting on subprocesses, so it runs in TEST_PROCESSES processes; tests that
-# share a module's job run in one of them (tests/conftest.py).
+# The whole suite, with lint and types: what CI runs, in TEST_PROCESSES processes. Each
+# test file runs whole in one of them (`--dist loadfile`), so a module's shared harbor job
+# runs once. (xdist's `loadgroup` would be finer, but with pytest 9.2 it groups nothing:
+# it renames the items' `_nodeid`, which pytest no longer reads.)
 TEST_PROCESSES := 2
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
 
 # The edit-and-test loop: everything but harbor trials, soak-like hypothesis schedules,
 # sandboxes and subprocess runs (the `slow` marker), on both cores, in under a minute.

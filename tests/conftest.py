@@ -41,23 +41,8 @@ def e2b(fake_e2b: FakeE2B, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeE2B]
     assert leaked == [], f"sandboxes left alive: {leaked}"
 
 
-# The module-scoped fixtures that run harbor jobs (or other costly work) for several tests
-# to read. `make test` spreads tests over processes (pytest-xdist, `--dist loadgroup`); the
-# tests that share one of these go to the same process, so it runs once, not once a process.
-SHARED_FIXTURES = frozenset({
-    "cache_dir", "concurrent_job", "defect_jobs", "demo_job", "example_job", "first_job",
-    "hostile_job", "identical_on_16_tasks", "jobs", "observations_job", "oracle_job",
-    "round_trip_job", "timeout_job",
-})
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every real harbor trial is slow: `make test-fast` leaves them out. Tests that share a
-    costly module fixture run in one xdist process."""
+    """Every real harbor trial is slow: `make test-fast` leaves them out."""
     for item in items:
         if item.get_closest_marker("harbor") is not None:
             item.add_marker(pytest.mark.slow)
-        shared = sorted(SHARED_FIXTURES.intersection(getattr(item, "fixturenames", ())))
-        if shared:
-            module = item.module.__name__ if isinstance(item, pytest.Function) else item.nodeid
-            item.add_marker(pytest.mark.xdist_group(f"{module}::{shared[0]}"))
