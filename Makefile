@@ -36,7 +36,7 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
 
 # The edit-and-test loop: everything but harbor trials, soak-like hypothesis schedules,
-# sandboxes and subprocess runs (the `slow` marker), on both cores, in under a minute.
+# sandboxes and subprocess runs (the `slow` marker), on both cores.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" -n 2
 
