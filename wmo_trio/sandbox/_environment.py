@@ -467,7 +467,8 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                 self.logger.info("Kept the trial's filesystem changes in %s", kept)
         finally:
             if sandbox.unfinished and not sandbox.state.removing:
-                sandbox.finish()  # a stop that failed: nothing is left behind
+                # A stop that failed: nothing is left behind (off the loop: it waits).
+                await asyncio.to_thread(sandbox.finish)
             if image is not None:
                 image.release()
 

@@ -280,36 +280,30 @@ class Channel:
         ``cgroup``, as the sandbox names it, when given; else those the service commands
         started, as far as their sessions, ancestry and environments tell); how many
         were ended. Once it returns, none of them is left running."""
-        request_id = self._next_id
-        self._next_id += 1
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._waiting[request_id] = queue
-        try:
-            await self._send({"op": "clear", "id": request_id, "cgroup": cgroup})
-            reply = await queue.get()
-        finally:
-            del self._waiting[request_id]
-        if "closed" in reply:
-            raise ChannelClosed("the sandbox's helper exited")
+        reply = await self._ask({"op": "clear", "cgroup": cgroup})
         return int(reply["cleared"])
 
     async def prepare(self, dirs: Sequence[str], shared: Sequence[str]) -> str:
         """Make ``dirs`` and ``shared`` (with their parents) in the sandbox, as ``mkdir -p``
         does, the ``shared`` ones world-writable; the shell commands run with there
         (``bash``, else ``sh``)."""
+        reply = await self._ask({"op": "prepare", "dirs": list(dirs), "shared": list(shared)})
+        return "bash" if reply.get("shell") == "bash" else "sh"
+
+    async def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Send a request that has one reply, and return that reply."""
         request_id = self._next_id
         self._next_id += 1
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._waiting[request_id] = queue
         try:
-            await self._send({"op": "prepare", "id": request_id, "dirs": list(dirs),
-                              "shared": list(shared)})
+            await self._send({**request, "id": request_id})
             reply = await queue.get()
         finally:
             del self._waiting[request_id]
         if "closed" in reply:
             raise ChannelClosed("the sandbox's helper exited")
-        return "bash" if reply.get("shell") == "bash" else "sh"
+        return reply
 
     async def _kill(self, request_id: int, queue: asyncio.Queue[dict[str, Any]]) -> None:
         """Kill a command's process tree and wait until the helper reports it gone;
