@@ -329,7 +329,8 @@ def harbor_job(fake: FakeE2B, jobs: Path, *, agent_kwargs: dict[str, Any],
     kwargs = {"harness": str(HARNESS), "provider_config": provider_config, **agent_kwargs}
     argv = [harbor, "run", "-p", str(HELLO_TASK), "-a", "wmo_trio.harbor:WmoTrioHarborAgent",
             "-m", f"{provider_config['kind']}/{provider_config['model']}", "-e", "e2b",
-            "-o", str(jobs), "--job-name", "job", "-y", "-q"]
+            "-o", str(jobs), "--job-name", "job", "-y", "-q",
+            "--skip-model-parsing-and-provider-mapping"]  # as the README runs it: no litellm lookup
     for key, value in kwargs.items():
         argv += ["--ak", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
     env = {k: v for k, v in os.environ.items() if k != "WMO_TRIO_HOST"}

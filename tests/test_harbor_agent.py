@@ -1,7 +1,8 @@
 """`WmoTrioHarborAgent` in real harbor trials (CONTRACT sections 4 and 5).
 
 Every `harbor`-marked test runs harbor itself in a subprocess (its CLI, or a script that
-runs a `Job` under `trio.run`), on real task directories, in the docker-free
+runs a `Job` under `asyncio.run`, as the CLI does, or under `trio.run`), on real task
+directories, in the docker-free
 `wmo_trio.harbor:LocalEnvironment`, with the scripted provider playing the model. The
 tests read what harbor wrote: each trial's `result.json` and the agent's `wmo-run.json` and
 `trajectory.json`. Nothing of harbor or wmo_trio is mocked; the few defects the episode
@@ -55,6 +56,8 @@ EXAMPLE_TASKS = REPO / "examples" / "tasks"
 AGENT = "wmo_trio.harbor:WmoTrioHarborAgent"
 LOCAL_ENVIRONMENT = "wmo_trio.harbor:LocalEnvironment"
 OFFLINE = {"kind": "scripted", "model": "offline"}
+# harbor's flag for "wmo_trio serves this model, do not look it up in litellm" (README).
+SKIP_MODEL_LOOKUP = "--skip-model-parsing-and-provider-mapping"
 # How long any one harbor job may take before the test gives up on it (a hang, not a
 # slow machine: every job here takes seconds).
 JOB_TIMEOUT_S = 240
@@ -186,14 +189,19 @@ def harbor_run(
     concurrent: int = 4,
     env: Mapping[str, str] | None = None,
     job_name: str = "job",
+    litellm_lookup: bool = False,
 ) -> HarborJob:
-    """`harbor run` of this agent on `tasks` (a task, or a directory of tasks)."""
+    """`harbor run` of this agent on `tasks` (a task, or a directory of tasks), as the README
+    writes it: with `--skip-model-parsing-and-provider-mapping`, unless `litellm_lookup`
+    (harbor's preflight then imports litellm to look the model up: seconds of CPU a run)."""
     model = f"{provider_config['kind']}/{provider_config['model']}"
     kwargs = {"harness": str(HARNESS), "provider_config": dict(provider_config),
               **(agent_kwargs or {})}
     argv = [harbor_executable(), "run", "-p", str(tasks), "-a", agent, "-m", model,
             "-e", LOCAL_ENVIRONMENT, "-o", str(jobs_dir), "--job-name", job_name,
             "-k", str(attempts), "-n", str(concurrent), "-y", "-q"]
+    if not litellm_lookup:
+        argv.append(SKIP_MODEL_LOOKUP)
     for key, value in kwargs.items():
         argv += ["--ak", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
     return HarborJob(argv, jobs_dir / job_name, harbor_env(**(env or {})))
@@ -358,6 +366,7 @@ config = JobConfig(
     agents=[AgentConfig(
         import_path="wmo_trio.harbor:WmoTrioHarborAgent",
         model_name="scripted/offline",
+        skip_model_parsing=True,  # wmo_trio serves the model: no litellm lookup
         kwargs={"harness": str(harness),
                 "provider_config": {"kind": "scripted", "model": "offline"}},
     )],
@@ -650,11 +659,9 @@ def test_command_past_its_timeout_is_an_error_observation_and_the_episode_goes_o
 # =======================================================================================
 
 DEFECTS_PLUGIN = '''
-"""Imported by harbor as the agent's module: the real agent, with one defect injected
-(chosen by WMO_TEST_DEFECT), because a healthy episode turns every failure into a stop
-reason or an observation and never raises."""
-
-import os
+"""Imported by harbor as the agent's module: the real agent, with one defect injected per
+trial, chosen by the trial's provider kind, because a healthy episode turns every failure
+into a stop reason or an observation and never raises."""
 
 from wmo_trio.episode.runtime import EpisodeRuntime
 from wmo_trio.harbor import WmoTrioHarborAgent, _agent
@@ -685,61 +692,98 @@ class DefectiveRuntime(EpisodeRuntime):
         super().__init__(*args, on_progress=progress, **kwargs)
 
 
-def defective_build(doc, provider, **kwargs):
-    return DefectiveRuntime(doc, provider, episode_timeout_sec=kwargs["episode_timeout_sec"],
-                            should_cancel=kwargs["should_cancel"],
-                            context_window=kwargs["context_window"],
-                            on_progress=kwargs["on_progress"])
-
-
-def unbuildable_runtime(*args, **kwargs):
-    raise RuntimeBuildDefect("injected failure to build the runtime")
-
-
 class CloseFailingProvider(ScriptedProvider):
     def close(self):
         raise RuntimeError("injected failure to close the provider")
 
 
+def build_runtime_with_defects(doc, provider, **kwargs):
+    # The provider arrives wrapped (retries); its configuration names the kind.
+    if provider.config.kind == "builddefect":
+        raise RuntimeBuildDefect("injected failure to build the runtime")
+    if provider.config.kind == "episodedefect":
+        return DefectiveRuntime(doc, provider, episode_timeout_sec=kwargs["episode_timeout_sec"],
+                                should_cancel=kwargs["should_cancel"],
+                                context_window=kwargs["context_window"],
+                                on_progress=kwargs["on_progress"])
+    return healthy_build_runtime(doc, provider, **kwargs)
+
+
+# Scripted providers by other names: the kind says which defect a trial gets.
+register_provider("episodedefect", "wmo_trio.providers.scripted:ScriptedProvider")
+register_provider("builddefect", "wmo_trio.providers.scripted:ScriptedProvider")
 register_provider("closefail", f"{__name__}:CloseFailingProvider")
-if os.environ["WMO_TEST_DEFECT"] == "episode":
-    _agent.build_runtime = defective_build
-elif os.environ["WMO_TEST_DEFECT"] == "build":
-    _agent.build_runtime = unbuildable_runtime
+healthy_build_runtime = _agent.build_runtime
+_agent.build_runtime = build_runtime_with_defects
 
 Agent = WmoTrioHarborAgent
 '''
 
+# One job of the plugin's agent under plain asyncio, as harbor's CLI runs a job (the CLI
+# itself is tested above): one trial per provider configuration given, at once.
+DEFECTS_JOB = """
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from harbor.job import Job
+from harbor.models.job.config import JobConfig
+from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig
+
+jobs_dir, harness, task = map(Path, sys.argv[1:4])
+providers = json.loads(sys.argv[4])
+config = JobConfig(
+    job_name="defects",
+    jobs_dir=jobs_dir,
+    n_concurrent_trials=len(providers),
+    quiet=True,
+    agents=[AgentConfig(import_path="wmo_test_defects:Agent",
+                        model_name=f"{provider['kind']}/{provider['model']}",
+                        skip_model_parsing=True,
+                        kwargs={"harness": str(harness), "provider_config": provider})
+            for provider in providers],
+    environment=EnvironmentConfig(import_path="wmo_trio.harbor:LocalEnvironment"),
+    tasks=[TaskConfig(path=task)],
+)
+
+
+async def main() -> None:
+    job = await Job.create(config)
+    await job.run()
+
+
+asyncio.run(main())
+"""
+
 
 @pytest.fixture(scope="module")
 def defect_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[TrialRecord]]:
-    """Three small jobs, run at the same time: an episode that raises midway, a runtime
-    that cannot be built, and a provider whose close() fails after a solved task."""
+    """One job of three hello-file trials, each with its defect: an episode that raises
+    midway, a runtime that cannot be built, and a provider whose close() fails after a
+    solved task; by defect, the trials that had it."""
     root = tmp_path_factory.mktemp("defects")
     plugins = root / "plugins"
     plugins.mkdir()
     (plugins / "wmo_test_defects.py").write_text(DEFECTS_PLUGIN)
+    (root / "defects_job.py").write_text(DEFECTS_JOB)
     pythonpath = os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH")]))
     episode_script = scripted(root / "episode-script.json", [
         {"tool_calls": [call("bash", command="echo one")]},
         {"tool_calls": [call("bash", command="echo defect")]},
         {"tool_calls": [call("submit", answer="never reached")]},
     ])
-    jobs = {
-        "episode": harbor_run(root / "jobs", EXAMPLE_TASKS / "hello-file", provider_config=episode_script,
-                              agent="wmo_test_defects:Agent", job_name="episode",
-                              env={"PYTHONPATH": pythonpath, "WMO_TEST_DEFECT": "episode"}),
-        "build": harbor_run(root / "jobs", EXAMPLE_TASKS / "hello-file",
-                            agent="wmo_test_defects:Agent", job_name="build",
-                            env={"PYTHONPATH": pythonpath, "WMO_TEST_DEFECT": "build"}),
-        "close": harbor_run(root / "jobs", EXAMPLE_TASKS / "hello-file",
-                            provider_config={"kind": "closefail", "model": "offline"},
-                            agent="wmo_test_defects:Agent", job_name="close",
-                            env={"PYTHONPATH": pythonpath, "WMO_TEST_DEFECT": "close"}),
-    }
-    for job in jobs.values():
-        job.start()
-    return {name: job.trials() for name, job in jobs.items()}
+    kinds = {"episodedefect": "episode", "builddefect": "build", "closefail": "close"}
+    providers = [{**episode_script, "kind": "episodedefect"},
+                 {**OFFLINE, "kind": "builddefect"}, {**OFFLINE, "kind": "closefail"}]
+    argv = [sys.executable, str(root / "defects_job.py"), str(root / "jobs"), str(HARNESS),
+            str(EXAMPLE_TASKS / "hello-file"), json.dumps(providers)]
+    trials = HarborJob(argv, root / "jobs" / "defects", harbor_env(PYTHONPATH=pythonpath)).trials()
+    by_defect: dict[str, list[TrialRecord]] = {name: [] for name in kinds.values()}
+    for trial in trials:
+        kind = str(trial.result["config"]["agent"]["model_name"]).split("/")[0]
+        by_defect[kinds[kind]].append(trial)
+    return by_defect
 
 
 @pytest.mark.harbor

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from test_harbor_agent import (
     JOB_TIMEOUT_S,
     LOCAL_ENVIRONMENT,
     REPO,
+    SKIP_MODEL_LOOKUP,
     harbor_env,
     harbor_executable,
     make_task,
@@ -51,8 +54,9 @@ def harbor(*arguments: str) -> subprocess.CompletedProcess[str]:
 
 def harbor_run(task: Path, jobs: Path, job_name: str, harness: Path, *extra: str,
                model: str = "scripted/offline") -> subprocess.CompletedProcess[str]:
+    """`harbor run` of the agent, as the README writes it."""
     return harbor("run", "-p", str(task), "-a", AGENT, "-m", model, "-e", LOCAL_ENVIRONMENT,
-                  "-o", str(jobs), "--job-name", job_name, "-y", "-q",
+                  "-o", str(jobs), "--job-name", job_name, "-y", "-q", SKIP_MODEL_LOOKUP,
                   "--ak", f"harness={harness}", "--ak", f"provider_config={OFFLINE}", *extra)
 
 
@@ -71,6 +75,18 @@ def with_changed_prompt(path: Path) -> None:
     path.write_text(json.dumps(document))
 
 
+@contextmanager
+def changed_for_the_block(path: Path) -> Iterator[None]:
+    """The document at `path` changed (`with_changed_prompt`) for the block, then as it was:
+    a test changes a shared job's document without the others seeing it."""
+    original = path.read_bytes()
+    with_changed_prompt(path)
+    try:
+        yield
+    finally:
+        path.write_bytes(original)
+
+
 def trace_doc_hashes(job: Path) -> list[str | None]:
     return [parse_trace(p.read_bytes()).doc_hash for p in sorted(job.glob("*/agent/wmo-run.json"))]
 
@@ -78,7 +94,8 @@ def trace_doc_hashes(job: Path) -> list[str | None]:
 @pytest.fixture(scope="module")
 def first_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One trial of the example document on a versioned task, the document given as a
-    path; what the later jobs are compared with."""
+    path; what the later jobs are compared with, and the source a regrade re-scores. A
+    test that changes its document does so only for its block (`changed_for_the_block`)."""
     root = tmp_path_factory.mktemp("identity")
     task = versioned_task(root / "tasks")
     harness = root / "h.json"
@@ -86,7 +103,7 @@ def first_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     completed = harbor_run(task, root / "jobs", "first", harness)
     assert completed.returncode == 0, output_of(completed)[-3000:]
     assert trace_doc_hashes(root / "jobs" / "first") == [load_harness(HARNESS).doc_hash]
-    return {"root": root, "task": task, "job": root / "jobs" / "first"}
+    return {"root": root, "task": task, "harness": harness, "job": root / "jobs" / "first"}
 
 
 # -- 1. reuse and resume follow the document -------------------------------------------
@@ -109,17 +126,16 @@ def test_the_same_document_at_another_path_and_reformatted_is_reused(
 def test_a_changed_document_at_the_same_path_reruns(first_job: dict[str, Any],
                                                      tmp_path: Path) -> None:
     # issue 27.1: the same path was "Reuse: 1/1 ... Nothing to execute" after the change.
-    harness = tmp_path / "h.json"
-    harness.write_text(HARNESS.read_text())
-    completed = harbor_run(first_job["task"], tmp_path / "jobs", "first", harness)
-    assert completed.returncode == 0, output_of(completed)[-3000:]
-    with_changed_prompt(harness)
-    completed = harbor_run(first_job["task"], tmp_path / "jobs", "changed", harness,
-                           "--diff", str(tmp_path / "jobs" / "first"))
+    harness = first_job["harness"]
+    with changed_for_the_block(harness):
+        changed_hash = load_harness(harness).doc_hash
+        completed = harbor_run(first_job["task"], tmp_path / "jobs", "changed", harness,
+                               "--diff", str(first_job["job"]))
     text = one_line(completed)
     assert completed.returncode == 0, text[-3000:]
     assert "Rerun: 1/1" in text, text[-3000:]
-    assert trace_doc_hashes(tmp_path / "jobs" / "changed") == [load_harness(harness).doc_hash]
+    assert changed_hash != load_harness(HARNESS).doc_hash
+    assert trace_doc_hashes(tmp_path / "jobs" / "changed") == [changed_hash]
 
 
 @pytest.mark.harbor
@@ -137,66 +153,72 @@ def test_the_locks_and_configs_harbor_writes_name_the_document_not_the_path(
         assert agent["kwargs"]["harness"].endswith("h.json")  # and the path it reads
 
 
-@pytest.mark.harbor
-def test_a_resumed_job_whose_document_changed_is_refused_in_one_line(tmp_path: Path) -> None:
-    task = versioned_task(tmp_path / "tasks")
-    harness = tmp_path / "h.json"
+@pytest.fixture(scope="module")
+def job_of_another_document(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A job of two trials stopped during one of them (its result.json gone), whose
+    document has changed since at the same path: what a resume, or a run into its
+    directory, meets. Neither may run a trial of the new document in it."""
+    root = tmp_path_factory.mktemp("another-document")
+    task = versioned_task(root / "tasks")
+    harness = root / "h.json"
     harness.write_text(HARNESS.read_text())
-    completed = harbor_run(task, tmp_path / "jobs", "job", harness, "-k", "2")
+    completed = harbor_run(task, root / "jobs", "job", harness, "-k", "2")
     assert completed.returncode == 0, output_of(completed)[-3000:]
-    job = tmp_path / "jobs" / "job"
+    job = root / "jobs" / "job"
     unfinished, _finished = sorted(p for p in job.iterdir() if p.is_dir())
     (unfinished / "result.json").unlink()  # as if the job had been stopped during it
     with_changed_prompt(harness)
+    return {"root": root, "task": task, "harness": harness, "job": job, "unfinished": unfinished}
 
-    completed = harbor("jobs", "resume", "-p", str(job))
+
+def assert_no_trial_of_the_new_document_ran(job: dict[str, Any]) -> None:
+    assert not (job["unfinished"] / "result.json").exists()
+    assert trace_doc_hashes(job["job"]) == [load_harness(HARNESS).doc_hash] * 2
+
+
+@pytest.mark.harbor
+def test_a_resumed_job_whose_document_changed_is_refused_in_one_line(
+    job_of_another_document: dict[str, Any],
+) -> None:
+    completed = harbor("jobs", "resume", "-p", str(job_of_another_document["job"]))
     text = one_line(completed)
     assert completed.returncode != 0, text[-3000:]
     assert len(output_of(completed).splitlines()) <= 10, output_of(completed)
-    assert "doc_hash" in text and load_harness(harness).doc_hash in text, text
-    assert not (unfinished / "result.json").exists()  # no trial of the new document ran
-    assert trace_doc_hashes(job) == [load_harness(HARNESS).doc_hash] * 2
+    changed_hash = load_harness(job_of_another_document["harness"]).doc_hash
+    assert "doc_hash" in text and changed_hash in text, text
+    assert_no_trial_of_the_new_document_ran(job_of_another_document)
 
 
 @pytest.mark.harbor
 def test_a_run_into_the_directory_of_a_job_of_another_document_is_refused_in_one_line(
-    tmp_path: Path,
+    job_of_another_document: dict[str, Any],
 ) -> None:
     # harbor resumes a job whose directory exists: a changed document must not join it.
-    task = versioned_task(tmp_path / "tasks")
-    harness = tmp_path / "h.json"
-    harness.write_text(HARNESS.read_text())
-    completed = harbor_run(task, tmp_path / "jobs", "job", harness)
-    assert completed.returncode == 0, output_of(completed)[-3000:]
-    with_changed_prompt(harness)
-
-    completed = harbor_run(task, tmp_path / "jobs", "job", harness)
+    job = job_of_another_document
+    completed = harbor_run(job["task"], job["root"] / "jobs", "job", job["harness"])
     text = one_line(completed)
     assert completed.returncode != 0, text[-3000:]
     assert len(output_of(completed).splitlines()) <= 10, output_of(completed)
-    assert load_harness(harness).doc_hash in text and "another --job-name" in text, text
-    assert trace_doc_hashes(tmp_path / "jobs" / "job") == [load_harness(HARNESS).doc_hash]
+    assert load_harness(job["harness"]).doc_hash in text and "another --job-name" in text, text
+    assert_no_trial_of_the_new_document_ran(job)
 
 
 @pytest.mark.harbor
-def test_a_regraded_trial_keeps_the_document_that_produced_it(tmp_path: Path) -> None:
+def test_a_regraded_trial_keeps_the_document_that_produced_it(first_job: dict[str, Any],
+                                                              tmp_path: Path) -> None:
     # A regrade runs only the verifier on the recorded trial: its lock must name the
     # document that trial ran, not whatever the file holds now, or a later --diff would
-    # credit the file's new document with it.
+    # credit the file's new document with it. harbor regrades with the task given here,
+    # which must verify in an environment of its own; the source job's task need not.
     task = versioned_task(tmp_path / "tasks")
     toml = task / "task.toml"
     toml.write_text(toml.read_text().replace("[verifier]\n", '[verifier]\nenvironment_mode = "separate"\n'))
     (task / "tests" / "test.sh").write_text("#!/bin/sh\nmkdir -p /logs/verifier\n"
                                            "echo 1 > /logs/verifier/reward.txt\n")
-    harness = tmp_path / "h.json"
-    harness.write_text(HARNESS.read_text())
-    completed = harbor_run(task, tmp_path / "jobs", "source", harness)
-    assert completed.returncode == 0, output_of(completed)[-3000:]
-    with_changed_prompt(harness)
-
-    completed = harbor("jobs", "regrade", str(tmp_path / "jobs" / "source"), "-p", str(task),
-                       "-e", LOCAL_ENVIRONMENT, "-o", str(tmp_path / "jobs"),
-                       "--job-name", "regraded", "-y")
+    with changed_for_the_block(first_job["harness"]):
+        completed = harbor("jobs", "regrade", str(first_job["job"]), "-p", str(task),
+                           "-e", LOCAL_ENVIRONMENT, "-o", str(tmp_path / "jobs"),
+                           "--job-name", "regraded", "-y")
     assert completed.returncode == 0, output_of(completed)[-3000:]
     [lock] = (tmp_path / "jobs" / "regraded").glob("*/lock.json")
     assert json.loads(lock.read_text())["agent"]["kwargs"]["doc_hash"] == load_harness(HARNESS).doc_hash
@@ -245,7 +267,7 @@ def test_harbors_preflight_hands_the_agent_its_configuration_to_pin() -> None:
     from harbor.models.trial.config import AgentConfig
 
     config = AgentConfig(import_path="wmo_trio.harbor:WmoTrioHarborAgent",
-                         model_name="scripted/offline",
+                         model_name="scripted/offline", skip_model_parsing=True,  # as the README runs it
                          kwargs={"harness": str(HARNESS), "provider_config": json.loads(OFFLINE)})
     AgentFactory.run_preflight(config, skip_credential_checks=True)
     assert config.kwargs["doc_hash"] == load_harness(HARNESS).doc_hash

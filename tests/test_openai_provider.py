@@ -815,8 +815,12 @@ def test_a_harbor_cli_trial_with_openai_model_runs_against_the_server(tmp_path: 
         )
         provider_config = {"kind": "openai", "model": api.MODEL, "base_url": server.base_url,
                            "api_key_env": KEY_ENV}
+        # The one trial here without --skip-model-parsing-and-provider-mapping: litellm
+        # knows openai/<model>, so harbor maps the model to its provider before the job, and
+        # the agent must still work as it does with the flag the README passes.
         [trial] = harbor_run(tmp_path / "jobs", ROOT / "examples/tasks/hello-file",
-                             provider_config=provider_config, env={KEY_ENV: api.API_KEY}).trials()
+                             provider_config=provider_config, env={KEY_ENV: api.API_KEY},
+                             litellm_lookup=True).trials()
         requests = server.requests
 
     assert (trial.reward, trial.exception_type) == (1.0, None), trial.describe()

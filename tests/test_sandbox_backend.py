@@ -584,6 +584,7 @@ def test_a_hostile_program_through_harbors_cli_is_contained_and_scored(tmp_path:
             completed = run_harbor(
                 tmp_path / "jobs", "-p", str(repo / "examples" / "tasks" / "hello-file"),
                 "-a", "wmo_trio.harbor:WmoTrioHarborAgent", "-m", "scripted/offline",
+                "--skip-model-parsing-and-provider-mapping",  # as the README runs it
                 "--ak", f"harness={harness}", "--ak", "harness_backend=sandbox",
                 "--ak", 'provider_config={"kind": "scripted", "model": "offline"}')
         finally:
