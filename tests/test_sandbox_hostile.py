@@ -128,14 +128,16 @@ def test_proc_sys_hostname_cgroups_and_disks_stay_out_of_reach(tmp_path: Path) -
     assert sorted(os.listdir("/sys/fs/cgroup")) == cgroups
 
 
-GIGABYTE = "head -c 1000000000 /dev/zero | tr '\\0' a"
+# Many times what a stream keeps: output held whole would grow memory far past the bound
+# the test allows, and past the cap the size changes nothing but the time it takes.
+FLOOD = "head -c 256000000 /dev/zero | tr '\\0' a"
 FLOODS = {
     # scenario: (what the Dockerfile adds, the command run in the trial, the log it fills)
-    "exec-stdout": ("", GIGABYTE, None),
-    "exec-stderr": ("", f"{GIGABYTE} >&2", None),
+    "exec-stdout": ("", FLOOD, None),
+    "exec-stderr": ("", f"{FLOOD} >&2", None),
     "entrypoint": ('COPY flood.sh /flood.sh\nENTRYPOINT ["/bin/sh", "/flood.sh"]\n', None,
                    "sandbox-entrypoint.log"),
-    "build-step": (f"RUN {GIGABYTE}; {GIGABYTE} >&2\n", None, "sandbox-build.log"),
+    "build-step": (f"RUN {FLOOD}; {FLOOD} >&2\n", None, "sandbox-build.log"),
 }
 FLOOD_SCRIPT = textwrap.dedent("""
     import asyncio, json, resource, sys, time
@@ -171,7 +173,7 @@ FLOOD_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("scenario", sorted(FLOODS))
-def test_a_gigabyte_of_output_is_cut_while_it_streams(tmp_path: Path, scenario: str) -> None:
+def test_a_flood_of_output_is_cut_while_it_streams(tmp_path: Path, scenario: str) -> None:
     """A command's stdout or stderr, an ENTRYPOINT's output, a build step's: measured in a
     fresh process, peak memory stays within a few MB of what it was before, a command's
     result says how much was cut, and a log holds no more than its cap."""
@@ -181,7 +183,7 @@ def test_a_gigabyte_of_output_is_cut_while_it_streams(tmp_path: Path, scenario: 
     (environment_dir / "Dockerfile").write_text(
         f"FROM debian:bookworm-slim\nWORKDIR /app\n{dockerfile}")
     (environment_dir / "flood.sh").write_text(
-        f'{GIGABYTE}; {GIGABYTE} >&2; touch /tmp/flooded; exec "$@"\n')
+        f'{FLOOD}; {FLOOD} >&2; touch /tmp/flooded; exec "$@"\n')
     completed = subprocess.run(
         [sys.executable, "-c", FLOOD_SCRIPT, str(REPO / "tests"), str(tmp_path), command or "",
          scenario],
@@ -193,7 +195,7 @@ def test_a_gigabyte_of_output_is_cut_while_it_streams(tmp_path: Path, scenario: 
     if command is not None:
         stream = "stderr" if scenario == "exec-stderr" else "stdout"
         assert result[stream] <= (4 << 20) + 200
-        assert f"{stream} was 1,000,000,000 bytes" in result["note"]
+        assert f"{stream} was 256,000,000 bytes" in result["note"]
         assert "not kept" in result["note"]
     else:
         assert 0 < result["logs"][log] < 9 << 20  # at most 4 MiB a stream, and its notes
