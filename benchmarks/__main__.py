@@ -1,4 +1,4 @@
-"""The benchmark suite: `python -m benchmarks [--quick] [--out DIR] [--docs]`.
+"""The benchmark suite: `python -m benchmarks [--quick [--smoke]] [--out DIR] [--docs]`.
 
 Runs every engine scenario for the asyncio baseline and for wmo_trio under each host (each
 in its own interpreter, since trio-asyncio changes asyncio's loop policy process-wide), real
@@ -46,13 +46,15 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
-def run_engines(quick: bool) -> dict[str, dict[str, Any]]:
+def run_engines(quick: bool, smoke: bool = False) -> dict[str, dict[str, Any]]:
     """Every implementation in its own interpreter: one after the other in a full run, so
     they never share the machine; side by side in a quick run, which checks shape only."""
     def start(impl: str) -> subprocess.Popen[str]:
         command = [sys.executable, "-W", "ignore", "-m", "benchmarks.engine", "--impl", impl]
         if quick:
             command.append("--quick")
+        if smoke:
+            command.append("--smoke")
         return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
@@ -397,6 +399,10 @@ PARTS = ("engine", "traffic", "harbor_job", "local_environment", "sandbox_backen
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument("--quick", action="store_true", help="every scenario, small sizes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="with --quick: every scenario and implementation at the fewest "
+                             "episodes that still give each figure (what the test suite runs "
+                             "to check the outputs; the figures mean nothing)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results")
     parser.add_argument("--docs", action="store_true",
                         help="put the tables and plots into docs/benchmarks.md, the headline "
@@ -410,6 +416,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.only and args.docs:
         parser.error("--docs needs every scenario: leave out --only")
+    if args.smoke and (args.docs or not args.quick):
+        parser.error("--smoke is a smaller --quick run, never for the docs: use it with "
+                     "--quick and without --docs")
     parts = {args.only} if args.only else {"engine", "traffic", "harbor", "sandbox"}
     if args.skip_harbor:
         parts.discard("harbor")
@@ -417,7 +426,7 @@ def main() -> None:
     started = time.perf_counter()
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "machine": machine(),
-        "mode": "quick" if args.quick else "full",
+        "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
     }
     # Each part is saved as it ends: a full run takes most of an hour, and a failure in
     # its last part must not cost the others.
@@ -434,7 +443,8 @@ def main() -> None:
 
     def run_traffic() -> None:
         results["traffic"] = traffic.suite(
-            args.quick, log=lambda line: print(f"real traffic: {line}", file=sys.stderr, flush=True))
+            args.quick, smoke=args.smoke,
+            log=lambda line: print(f"real traffic: {line}", file=sys.stderr, flush=True))
 
     background: threading.Thread | None = None
     if "traffic" in parts and args.quick:
@@ -443,7 +453,7 @@ def main() -> None:
         background = threading.Thread(target=run_traffic, name="traffic")
         background.start()
     if "engine" in parts and "engine" not in results:
-        results["engine"] = run_engines(args.quick)
+        results["engine"] = run_engines(args.quick, args.smoke)
         save()
     if "traffic" in parts and background is None and "traffic" not in results:
         run_traffic()
@@ -453,17 +463,17 @@ def main() -> None:
 
         if "harbor_job" not in results:
             print("real harbor job ...", file=sys.stderr, flush=True)
-            results["harbor_job"] = harbor_job.run(args.quick)
+            results["harbor_job"] = harbor_job.run(args.quick, args.smoke)
             save()
         if "local_environment" not in results:
             print("docker-free environment ...", file=sys.stderr, flush=True)
-            results["local_environment"] = local_environment.run(args.quick)
+            results["local_environment"] = local_environment.run(args.quick, args.smoke)
             save()
     if "sandbox" in parts and "sandbox_backend" not in results:
         from benchmarks import sandbox_backend
 
         print("sandbox backend ...", file=sys.stderr, flush=True)
-        results["sandbox_backend"] = sandbox_backend.run(args.quick)
+        results["sandbox_backend"] = sandbox_backend.run(args.quick, args.smoke)
     if background is not None:
         background.join()
         if "traffic" not in results:

@@ -1,6 +1,6 @@
 """Engine scenarios, for one implementation per process.
 
-    python -m benchmarks.engine --impl {baseline,thread,guest,trio-asyncio} [--quick]
+    python -m benchmarks.engine --impl {baseline,thread,guest,trio-asyncio} [--quick [--smoke]]
 
 prints one JSON object. Every scenario drives real `EpisodeRuntime`s (scripted provider,
 set latencies) against a synthetic environment whose commands are asyncio coroutines on the
@@ -347,19 +347,22 @@ async def cancel_bridge_only(impl: str, n: int, trial_timeout: float) -> dict[st
             "cancel_p99_ms": percentile(delays, 99)}
 
 
-async def scenarios(impl: str, quick: bool) -> dict[str, Any]:
-    sizes = [16, 64] if quick else [64, 256, 1024]
+async def scenarios(impl: str, quick: bool, smoke: bool = False) -> dict[str, Any]:
+    """Every scenario; `smoke` (with `quick`) runs each at the smallest sizes."""
+    sizes = [4, 8] if smoke else [16, 64] if quick else [64, 256, 1024]
+    calls = 50 if smoke else 500 if quick else 5000
+    cancelled = 4 if smoke else 32 if quick else 256
     results: dict[str, Any] = {"impl": impl, "start": []}
     for n in sizes:
         results["start"].append(await start_latency(impl, n, 10, 0.05))
-    results["overhead"] = await overhead(impl, 500 if quick else 5000)
-    results["round_trip"] = await round_trip(impl, 500 if quick else 5000)
+    results["overhead"] = await overhead(impl, calls)
+    results["round_trip"] = await round_trip(impl, calls)
     long_s = 2.0 if quick else 30.0
-    results["cancel"] = [await cancellation(impl, 32 if quick else 256, long_s, during, 0.5)
+    results["cancel"] = [await cancellation(impl, cancelled, long_s, during, 0.5)
                          for during in ("command", "model")]
     # The pool the baseline stops episodes with must have room beside the running ones:
     # it is sized by the largest start scenario, which ran first.
-    results["cancel_bridge_only"] = await cancel_bridge_only(impl, 32 if quick else 256, 0.5)
+    results["cancel_bridge_only"] = await cancel_bridge_only(impl, cancelled, 0.5)
     # the same at every size, for the cancellation plot
     results["cancel_by_n"] = [await cancellation(impl, n, long_s, during, 0.5)
                               for n in sizes for during in ("command", "model")]
@@ -375,14 +378,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", choices=IMPLS, required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="with --quick: the smallest sizes")
     args = parser.parse_args()
     before = threading.active_count()
     if args.impl == "trio-asyncio":
         from wmo_trio.engine import run
 
-        results = run(scenarios, args.impl, args.quick)
+        results = run(scenarios, args.impl, args.quick, args.smoke)
     else:
-        results = asyncio.run(scenarios(args.impl, args.quick))
+        results = asyncio.run(scenarios(args.impl, args.quick, args.smoke))
     if args.impl == "baseline":
         # The original never shut its executor down; its threads stay until exit.
         results["threads_left_after_idle"] = threads_after_idle(before, 11.0)

@@ -92,10 +92,10 @@ def _run_side_by_side(commands: list[tuple[str, list[str]]], env: dict[str, str]
         raise RuntimeError(f"harbor job {name} failed: {err}")
 
 
-def run(quick: bool) -> dict[str, Any]:
+def run(quick: bool, smoke: bool = False) -> dict[str, Any]:
     """The three jobs one after the other (side by side in a quick run, shape only); each
-    job's wall time is its own, from its start to its own exit."""
-    n = 8 if quick else 64
+    job's wall time is its own, from its start to its own exit. `smoke`: 2 trials each."""
+    n = 2 if smoke else 8 if quick else 64
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "PYTHONPATH": str(ROOT)}
     results: dict[str, Any] = {"n": n, "latency_s": LATENCY_S, "side_by_side": quick}
     with tempfile.TemporaryDirectory() as scratch:

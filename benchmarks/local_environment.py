@@ -178,19 +178,22 @@ async def _job(n_trials: int, n_concurrent: int, scratch: Path) -> dict[str, Any
     }
 
 
-def run(quick: bool) -> dict[str, Any]:
-    """Measure and return the figures; ``quick`` shrinks every sample."""
+def run(quick: bool, smoke: bool = False) -> dict[str, Any]:
+    """Measure and return the figures; ``quick`` shrinks every sample, ``smoke`` (with it)
+    to the fewest that still produce every figure."""
+    samples = 3 if smoke else 10 if quick else 50
+    trials, concurrency = (2, 2) if smoke else (8, 4) if quick else (64, 16)
     from wmo_trio.harbor._job import harbor_progress_hidden
 
     with tempfile.TemporaryDirectory(prefix=f"bench-local-env-{uuid.uuid4().hex[:6]}-") as tmp:
         scratch = Path(tmp)
         (scratch / "start-stop").mkdir()
         (scratch / "job").mkdir()
-        start_stop = asyncio.run(_start_stop(10 if quick else 50, scratch / "start-stop"))
-        floor = _floor(10 if quick else 50)
+        start_stop = asyncio.run(_start_stop(samples, scratch / "start-stop"))
+        floor = _floor(samples)
         # harbor draws its progress bar even when quiet: off, so no output carries it.
         with harbor_progress_hidden():
-            job = asyncio.run(_job(8 if quick else 64, 4 if quick else 16, scratch / "job"))
+            job = asyncio.run(_job(trials, concurrency, scratch / "job"))
     phases = job["per_trial_phases"]
     return {
         # Flat headline figures first (what a summary table shows), details after.

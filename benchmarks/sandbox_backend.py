@@ -153,11 +153,12 @@ def _burst(n: int, latency_s: float, workdir: Path) -> dict[str, Any]:
     return out
 
 
-def run(quick: bool) -> dict[str, Any]:
-    """Measure and return the figures; ``quick`` shrinks every sample."""
+def run(quick: bool, smoke: bool = False) -> dict[str, Any]:
+    """Measure and return the figures; ``quick`` shrinks every sample, ``smoke`` (with it)
+    to the fewest that still produce every figure."""
     with tempfile.TemporaryDirectory(prefix="bench-sandbox-backend-") as tmp:
-        start = _start(5 if quick else 50, Path(tmp))
-        burst = _burst(16 if quick else 256, 2.0, Path(tmp))
+        start = _start(2 if smoke else 5 if quick else 50, Path(tmp))
+        burst = _burst(4 if smoke else 16 if quick else 256, 2.0, Path(tmp))
     return {
         # Flat headline figures first (what a summary table shows), details after.
         "added_start_median_ms_pool": start["added_start_median_ms"]["sandbox_pool"],

@@ -99,6 +99,10 @@ FULL = Profile(model_s=2.0, command_s=0.5)
 QUICK = Profile(model_s=0.2, command_s=0.05)
 FULL_SIZES = {"anthropic": [256, 1024, 4096], "openai": [1024], "scripted": [1024, 4096]}
 QUICK_SIZES = {"anthropic": [8, 32], "openai": [8], "scripted": [32]}
+# A smoke run (`python -m benchmarks --quick --smoke`): every implementation, provider and
+# layout once, at the fewest episodes that still give every figure (the test suite's check
+# of the outputs, where figures mean nothing).
+SMOKE_SIZES = {"anthropic": [1, 2], "openai": [1], "scripted": [2]}
 
 
 def runs_provider(impl: str, provider: str) -> bool:
@@ -765,13 +769,14 @@ class MachineShare:
 
 
 def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
-          impls: tuple[str, ...] = IMPLS, cap_s: float | None = None,
+          impls: tuple[str, ...] = IMPLS, cap_s: float | None = None, smoke: bool = False,
           log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-    """The whole scenario; see the module docstring. Ratios come from `markdown_rows`."""
+    """The whole scenario; see the module docstring. Ratios come from `markdown_rows`.
+    `smoke` (with `quick`): `SMOKE_SIZES`, one episode per process of the split."""
     from benchmarks import messages_server
 
     profile = QUICK if quick else FULL
-    sizes = sizes or (QUICK_SIZES if quick else FULL_SIZES)
+    sizes = sizes or (SMOKE_SIZES if smoke else QUICK_SIZES if quick else FULL_SIZES)
     # A cap ends a collapsed run and reports it (timed-out episodes) instead of hanging:
     # harbor's agent timeout for each trial, the whole fan-out for the research API. A
     # quick run only checks shape, so its cap is loose enough for a busy machine.
@@ -782,7 +787,7 @@ def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
     bursts = [(provider, n) for provider in PROVIDERS for n in sizes.get(provider, [])]
     with messages_server.serve(delay_s=profile.model_s, tool_calls=profile.tool_calls) as server:
         log("SDK cost per call ...")
-        results["sdk"] = _sdk_cost(server.base_url, 100 if quick else 300)
+        results["sdk"] = _sdk_cost(server.base_url, 10 if smoke else 100 if quick else 300)
         if quick:
             # Shape only: each implementation runs every burst in one interpreter, all of
             # them side by side, which keeps the quick suite short.
@@ -800,7 +805,7 @@ def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
             results["server"] = server.stats()
             machine = share.figures(results["server"]["cpu_s"])  # the whole batch's
             results["runs"] += [{**run, "load_before": load, "machine": machine} for run in runs]
-            results["split"] = split_runs(profile, server, cap, log, per_process=8)
+            results["split"] = split_runs(profile, server, cap, log, per_process=1 if smoke else 8)
         else:
             # One interpreter per implementation and size, one after the other, so that
             # no run shares the machine, its threads or its memory with another.

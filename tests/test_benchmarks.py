@@ -1,4 +1,8 @@
-"""`make bench-quick` runs every scenario and produces its outputs (shape, not timings)."""
+"""`make bench-quick` runs every scenario and produces its outputs (shape, not timings).
+
+The suite runs it as `--quick --smoke`: the same scenarios, implementations, providers and
+layouts, each at the fewest episodes that still give every figure (bench-quick's own sizes
+cost over a hundred CPU-seconds, nearly all of it the same code at larger sizes)."""
 
 from __future__ import annotations
 
@@ -20,14 +24,14 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.harbor
 def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks", "--quick", "--smoke", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results["engine"]) == {"baseline", "thread", "guest", "trio-asyncio"}
     for impl, engine in results["engine"].items():
-        assert [s["n"] for s in engine["start"]] == [16, 64], impl
+        assert [s["n"] for s in engine["start"]] == [4, 8], impl
         for size in engine["start"]:
             assert size["start_p99_ms"] >= size["start_p50_ms"] >= 0
             assert size["wall_over_ideal"] > 0.9 and size["peak_threads"] > size["n"]
@@ -53,14 +57,23 @@ def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
     assert "| scenario | baseline (asyncio) |" in table and "cancel p99" in table
     assert "Real harbor job" in table and "process CPU time / ideal wall time" in table
     assert "| real traffic | baseline (original design) |" in table
-    assert "CPU per step / SDK's own per call (sync client) @ 32 (anthropic)" in table
-    assert "CPU per step / SDK's own per call (AsyncOpenAI on trio) @ 8 (openai)" in table
+    assert "CPU per step / SDK's own per call (sync client) @ 2 (anthropic)" in table
+    assert "CPU per step / SDK's own per call (AsyncOpenAI on trio) @ 1 (openai)" in table
     cores = max(2, os.cpu_count() or 1)
-    assert "Beyond one process" in table and f"| wmo_trio thread | {cores} x 8 |" in table
+    assert "Beyond one process" in table and f"| wmo_trio thread | {cores} x 1 |" in table
     assert "No figures for" not in table
     assert "| added start latency, median | - |" in table
     for plot in ("start_latency.png", "cancel_latency.png"):
         assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("arguments", [["--smoke"], ["--quick", "--smoke", "--docs"]])
+def test_a_smoke_run_is_only_a_smaller_quick_run(arguments: list[str], tmp_path: Path) -> None:
+    # refused before anything runs: a smoke run's figures must never reach the docs
+    completed = subprocess.run([sys.executable, "-m", "benchmarks", *arguments, "--out", str(tmp_path)],
+                               cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 2 and "--smoke is a smaller --quick run" in completed.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def check_traffic(traffic: dict[str, Any]) -> None:
@@ -72,7 +85,7 @@ def check_traffic(traffic: dict[str, Any]) -> None:
     assert sdk["client_cpu_ms"] > 0
     impls = {"baseline", "thread", "guest", "trio-asyncio", "research", "sdk-alone"}
     expected = {(impl, provider, n) for impl in impls
-                for provider, n in (("anthropic", 8), ("anthropic", 32), ("openai", 8), ("scripted", 32))
+                for provider, n in (("anthropic", 1), ("anthropic", 2), ("openai", 1), ("scripted", 2))
                 if (impl, provider) not in (("baseline", "openai"), ("sdk-alone", "scripted"))}
     assert {(r["impl"], r["provider"], r["n"]) for r in traffic["runs"]} == expected
     # Beyond one process: each layout of the same episodes ran them all to their submit.

@@ -94,7 +94,7 @@ HEARTBEAT_S = 0.005
 P99_LATENESS_LIMIT_S = 0.050
 EXAMPLE_GUARD_S = 120
 # A trial must be given back this soon after its harbor timeout: the slowest cancellation
-# handling generated is 0.3 s; the rest is slack for a loaded machine.
+# handling generated is 0.15 s; the rest is slack for a loaded machine.
 AFTER_TIMEOUT_S = 8.0
 
 
@@ -129,17 +129,20 @@ class TrialPlan:
     @property
     def episode_timeout_sec(self) -> float:
         # A hang with no harbor timeout is ended by the episode's own budget.
-        return 0.6 if self.hangs and self.timeout_s is None else 300.0
+        return 0.3 if self.hangs and self.timeout_s is None else 300.0
 
 
+# Every duration below is on one time scale (latencies, timeouts, the budget of a hang,
+# slow cleanups): halving it together keeps which of them race and end first, and halves
+# the seconds each example waits idle.
 commands = st.builds(
     CommandPlan,
-    latency_s=st.floats(0, 0.05),
+    latency_s=st.floats(0, 0.025),
     fault=st.sampled_from([None] * 8 + ["raise", "hang", "process", "slow-cancel", "flood"]),
 )
 turns = st.builds(
     TurnPlan,
-    latency_s=st.floats(0, 0.05),
+    latency_s=st.floats(0, 0.025),
     commands=st.lists(commands, min_size=0, max_size=3).map(tuple),
     fault=st.sampled_from([None] * 6 + ["malformed", "wrong-type", "write"]),
 )
@@ -148,7 +151,7 @@ trials = st.builds(
     turns=st.lists(turns, min_size=0, max_size=4).map(tuple),
     ending=st.sampled_from(["submit"] * 5 + ["provider-error", "unexpected", "base-exception",
                                               "no-tool-calls"]),
-    timeout_s=st.none() | st.floats(0.01, 0.5),
+    timeout_s=st.none() | st.floats(0.005, 0.25),
     storm=st.sampled_from([None] * 4 + ["rate_limit", "server", "connection"]),
     disk_full=st.sampled_from([False] * 9 + [True]),
 )
@@ -163,7 +166,7 @@ def _behaviour(plan: CommandPlan) -> Do:
     if plan.fault == "process":
         return Do(process_s=plan.latency_s * 4)
     if plan.fault == "slow-cancel":
-        return Do(delay_s=plan.latency_s * 10, cancel_cleanup_s=0.3)
+        return Do(delay_s=plan.latency_s * 10, cancel_cleanup_s=0.15)
     if plan.fault == "flood":
         return Do(delay_s=plan.latency_s, stdout="y" * 1_000_000)
     return Do(delay_s=plan.latency_s, stdout=f"ran in {plan.latency_s:.3f} s\n")
