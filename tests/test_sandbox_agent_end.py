@@ -38,7 +38,7 @@ from wmo_trio.sandbox._cgroup import HostCgroups
 
 __all__ = ["pytestmark"]
 
-GET = 'import urllib.request as u; print(u.urlopen("http://127.0.0.1:8123/").read().decode())'
+GET = 'import urllib.request as u; print(u.urlopen("http://127.0.0.1:{port}/").read().decode())'
 # The agent's leftovers: a loop that keeps rewriting a file the verifier reads, and a
 # sleeper; both clear their environment and leave the agent's session. Each rewrite is a
 # rename, so the end of the agent phase never finds the file truncated and not yet
@@ -101,12 +101,13 @@ def test_harbor_reads_the_agents_logs_after_the_agent_and_before_the_verifier(
         f"LocalEnvironment._end_agent_processes needs another signal. Calls: {calls}")
 
 
-def _hostile_task(tmp_path: Path, seconds: int, *, times_out: bool) -> Path:
+def _hostile_task(tasks: Path, seconds: int, port: int, *, times_out: bool) -> Path:
     """hello-file, with an ENTRYPOINT that starts a web server the way a daemonizing
     service does (environment cleared, session left), a solution that leaves processes
     behind the same way (then returns, or runs into its timeout), and tests that pass
-    only if the server answers and none of the solution's processes runs."""
-    task = tmp_path / "tasks" / "leftovers"
+    only if the server answers and none of the solution's processes runs. Each task has
+    its own port, so no other trial's server could answer for a missing one."""
+    task = tasks / f"leftovers-{'timed-out' if times_out else 'returned'}"
     shutil.copytree(TASKS / "hello-file", task)
     environment = task / "environment"
     (environment / "Dockerfile").write_text(
@@ -114,7 +115,7 @@ def _hostile_task(tmp_path: Path, seconds: int, *, times_out: bool) -> Path:
         "RUN mkdir /srv/www && echo up > /srv/www/index.html\n"
         'ENTRYPOINT ["/bin/sh", "/service.sh"]\n')
     (environment / "service.sh").write_text(
-        "env -i setsid -f python3 -m http.server 8123 --bind 127.0.0.1 --directory /srv/www"
+        f"env -i setsid -f python3 -m http.server {port} --bind 127.0.0.1 --directory /srv/www"
         ' > /dev/null 2>&1\nexec "$@"\n')
     (task / "solution" / "solve.sh").write_text(textwrap.dedent(f"""\
         #!/bin/sh
@@ -134,7 +135,7 @@ def _hostile_task(tmp_path: Path, seconds: int, *, times_out: bool) -> Path:
         for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done > processes.txt 2>&1
         answer=
         for i in $(seq 600); do
-            answer=$(python3 -c '{GET}' 2>/dev/null) && break
+            answer=$(python3 -c '{GET.format(port=port)}' 2>/dev/null) && break
             sleep 0.1
         done
         echo "service: $answer" > checks.txt
@@ -153,26 +154,39 @@ def _hostile_task(tmp_path: Path, seconds: int, *, times_out: bool) -> Path:
     return task
 
 
+ENDINGS = {"returned": 8123, "timed-out": 8124}  # how the agent phase ends: its task's port
+
+
+@pytest.fixture(scope="module")
+def leftovers_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One job, both hostile tasks side by side: the agent that returns and the one
+    that runs into its timeout, each with its own sleeper and port."""
+    tmp_path = tmp_path_factory.mktemp("leftovers")
+    seconds = {ending: unique_seconds() for ending in ENDINGS}
+    for ending, port in ENDINGS.items():
+        _hostile_task(tmp_path / "tasks", seconds[ending], port,
+                      times_out=ending == "timed-out")
+    completed = run_harbor(tmp_path / "jobs", "-p", str(tmp_path / "tasks"), "-a", "oracle",
+                           "-n", "2", "--ek", f"state_dir={tmp_path / 'state'}")
+    return {"completed": completed, "jobs": tmp_path / "jobs", "seconds": seconds}
+
+
 @pytest.mark.harbor
-@pytest.mark.parametrize("ending", ["returned", "timed-out"])
+@pytest.mark.parametrize("ending", sorted(ENDINGS))
 def test_processes_the_agent_detached_are_gone_before_the_verifier_and_services_stay(
-        tmp_path: Path, ending: str) -> None:
-    seconds = unique_seconds()
-    task = _hostile_task(tmp_path, seconds, times_out=ending == "timed-out")
-
-    completed = run_harbor(tmp_path / "jobs", "-p", str(task), "-a", "oracle",
-                           "--ek", f"state_dir={tmp_path / 'state'}")
-
+        leftovers_job: dict[str, Any], ending: str) -> None:
+    completed, jobs = leftovers_job["completed"], leftovers_job["jobs"]
     assert completed.returncode == 0, completed.stderr
-    [(name, result)] = trial_results(tmp_path / "jobs").items()
-    verifier = tmp_path / "jobs" / "job" / name / "verifier"
+    [(name, result)] = [(name, result) for name, result in trial_results(jobs).items()
+                        if result["task_name"] == f"leftovers-{ending}"]
+    verifier = jobs / "job" / name / "verifier"
     if ending == "timed-out":
         assert result["exception_info"]["exception_type"] == "AgentTimeoutError"
     else:
         assert result["exception_info"] is None, result["exception_info"]
     assert reward(result) == 1.0, ((verifier / "checks.txt").read_text(),
                                    (verifier / "processes.txt").read_text())
-    assert sleepers(seconds) == []
+    assert sleepers(leftovers_job["seconds"][ending]) == []
 
 
 def test_without_cgroups_the_entrypoints_session_survives_and_the_agents_detached_do_not(

@@ -140,17 +140,13 @@ FLOODS = {
     "build-step": (f"RUN {FLOOD}; {FLOOD} >&2\n", None, "sandbox-build.log"),
 }
 FLOOD_SCRIPT = textwrap.dedent("""
-    import asyncio, json, resource, sys, time
+    import asyncio, json, resource, sys, time, traceback
     sys.path.insert(0, sys.argv[1])
     from pathlib import Path
     from test_local_environment import WAIT_BOUND_SEC, make_environment, running
 
-    async def main(tmp, command, entrypoint):
-        cache = {"cache_dir": tmp / "cache"}
-        async with running(make_environment(tmp, **cache)) as environment:
-            await environment.exec("echo warm-up")  # a build, a start, an exec: all imported
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        flood = make_environment(tmp, tmp / "flood" / "environment", **cache)
+    async def flood(tmp, name, command, entrypoint, before):
+        flood = make_environment(tmp, tmp / name / "environment", cache_dir=tmp / "cache")
         result = {}
         async with running(flood) as environment:
             if command:
@@ -163,34 +159,61 @@ FLOOD_SCRIPT = textwrap.dedent("""
                 if (await environment.exec("test -e /tmp/flooded")).return_code == 0:
                     break
                 await asyncio.sleep(0.1)
+        # The peak since before the first flood: no earlier flood can hide this one's.
         result["growth_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
         result["logs"] = {path.name: path.stat().st_size
                           for path in flood.trial_paths.trial_dir.glob("sandbox-*.log")}
-        print(json.dumps(result))
+        return result
 
-    asyncio.run(main(Path(sys.argv[2]), sys.argv[3], sys.argv[4] == "entrypoint"))
+    async def main(tmp, scenarios):
+        async with running(make_environment(tmp, cache_dir=tmp / "cache")) as environment:
+            await environment.exec("echo warm-up")  # a build, a start, an exec: all imported
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        results = {}
+        for name, command in scenarios.items():
+            try:
+                results[name] = await flood(tmp, name, command, name == "entrypoint", before)
+            except Exception:
+                results[name] = {"error": traceback.format_exc()}
+        print(json.dumps(results))
+
+    asyncio.run(main(Path(sys.argv[2]), json.loads(sys.argv[3])))
 """)
 
 
-@pytest.mark.parametrize("scenario", sorted(FLOODS))
-def test_a_flood_of_output_is_cut_while_it_streams(tmp_path: Path, scenario: str) -> None:
-    """A command's stdout or stderr, an ENTRYPOINT's output, a build step's: measured in a
-    fresh process, peak memory stays within a few MB of what it was before, a command's
-    result says how much was cut, and a log holds no more than its cap."""
-    dockerfile, command, log = FLOODS[scenario]
-    environment_dir = tmp_path / "flood" / "environment"
-    environment_dir.mkdir(parents=True)
-    (environment_dir / "Dockerfile").write_text(
-        f"FROM debian:bookworm-slim\nWORKDIR /app\n{dockerfile}")
-    (environment_dir / "flood.sh").write_text(
-        f'{FLOOD}; {FLOOD} >&2; touch /tmp/flooded; exec "$@"\n')
+@pytest.fixture(scope="module")
+def floods(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every flood scenario, one after another in one fresh process: its imports and
+    warm-up are paid once, and each scenario's peak is read against the same start."""
+    tmp_path = tmp_path_factory.mktemp("floods")
+    for scenario, (dockerfile, _, _) in FLOODS.items():
+        environment_dir = tmp_path / scenario / "environment"
+        environment_dir.mkdir(parents=True)
+        (environment_dir / "Dockerfile").write_text(
+            f"FROM debian:bookworm-slim\nWORKDIR /app\n{dockerfile}")
+        (environment_dir / "flood.sh").write_text(
+            f'{FLOOD}; {FLOOD} >&2; touch /tmp/flooded; exec "$@"\n')
+    commands = {scenario: command or "" for scenario, (_, command, _) in FLOODS.items()}
     completed = subprocess.run(
-        [sys.executable, "-c", FLOOD_SCRIPT, str(REPO / "tests"), str(tmp_path), command or "",
-         scenario],
+        [sys.executable, "-c", FLOOD_SCRIPT, str(REPO / "tests"), str(tmp_path),
+         json.dumps(commands)],
         capture_output=True, text=True, timeout=600, check=False, cwd=REPO,
     )
     assert completed.returncode == 0, completed.stderr
-    result = json.loads(completed.stdout.splitlines()[-1])
+    results: dict[str, dict[str, Any]] = json.loads(completed.stdout.splitlines()[-1])
+    return results
+
+
+@pytest.mark.parametrize("scenario", sorted(FLOODS))
+def test_a_flood_of_output_is_cut_while_it_streams(
+    floods: dict[str, dict[str, Any]], scenario: str
+) -> None:
+    """A command's stdout or stderr, an ENTRYPOINT's output, a build step's: measured in a
+    fresh process, peak memory stays within a few MB of what it was before, a command's
+    result says how much was cut, and a log holds no more than its cap."""
+    _, command, log = FLOODS[scenario]
+    result = floods[scenario]
+    assert "error" not in result, result.get("error")
     assert result["growth_kib"] < 32 * 1024
     if command is not None:
         stream = "stderr" if scenario == "exec-stderr" else "stdout"
@@ -323,12 +346,36 @@ def _by_task(jobs_dir: Path) -> dict[str, dict[str, Any]]:
     return {result["task_name"]: result for result in trial_results(jobs_dir).values()}
 
 
-def test_no_other_task_or_job_is_readable_when_they_live_under_opt(
-    opt_dir: Path, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def opt_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """Two jobs under /opt, one image cache: the first run from /opt with its tasks and
+    jobs inside its working directory, the second with a dataset of two tasks beside
+    its jobs, run from elsewhere. Each test reads the job it is about."""
+    path = Path("/opt") / f"wmo-trio-test-{uuid.uuid4().hex[:12]}"
+    path.mkdir()
+    try:
+        yield {"opt": path, "cache": tmp_path_factory.mktemp("opt-cache")}
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def job_from_opt(opt_jobs: dict[str, Path]) -> dict[str, Any]:
+    """Harbor's working directory, its tasks and its jobs: hidden paths inside one
+    another, all in a system directory."""
+    home = opt_jobs["opt"] / "from-opt"
+    shutil.copytree(TASKS / "hello-file", home / "tasks" / "hello-file")
+    completed = run_harbor(home / "jobs", "-p", str(home / "tasks"), "-a", "oracle",
+                           "--ek", f"cache_dir={opt_jobs['cache']}", cwd=home)
+    return {"completed": completed, "results": trial_results(home / "jobs")}
+
+
+@pytest.fixture(scope="module")
+def dataset_under_opt(opt_jobs: dict[str, Path], job_from_opt: dict[str, Any]) -> dict[str, Any]:
     """A trial of one task of a dataset in /opt probes its sibling's solution and
-    tests, an earlier job beside its own, and its own job: it must find none."""
-    dataset, jobs = opt_dir / "dataset", opt_dir / "jobs"
+    tests, an earlier job beside its own, and its own job. It runs after
+    ``job_from_opt``, whose image it must reuse."""
+    dataset, jobs = opt_jobs["opt"] / "dataset", opt_jobs["opt"] / "jobs"
     shutil.copytree(TASKS / "hello-file", dataset / "victim")
     earlier = jobs / "earlier" / "victim__aaaaaaa"
     earlier.mkdir(parents=True)
@@ -344,48 +391,45 @@ def test_no_other_task_or_job_is_readable_when_they_live_under_opt(
         "#!/bin/sh\nmkdir -p /logs/verifier\n"
         "if [ -s /app/seen ]; then cat /app/seen; echo 0; else echo 1; fi"
         " > /logs/verifier/reward.txt\n")
-
     completed = run_harbor(jobs, "-p", str(dataset), "-a", "oracle", "-n", "2",
-                           "--ek", f"cache_dir={tmp_path / 'cache'}")
+                           "--ek", f"cache_dir={opt_jobs['cache']}")
+    return {"completed": completed, "results": _by_task(jobs), "jobs": jobs}
 
+
+def test_no_other_task_or_job_is_readable_when_they_live_under_opt(
+    dataset_under_opt: dict[str, Any]
+) -> None:
+    """The attacker's trial must find none of what it probes."""
+    completed, results = dataset_under_opt["completed"], dataset_under_opt["results"]
     assert completed.returncode == 0, completed.stderr
-    results = _by_task(jobs)
     assert sorted(results) == ["attacker", "victim"]
     for name, result in results.items():
         assert result["exception_info"] is None, (name, result["exception_info"])
-    seen = jobs / "job" / results["attacker"]["trial_name"] / "verifier" / "reward.txt"
+    seen = (dataset_under_opt["jobs"] / "job" / results["attacker"]["trial_name"] / "verifier"
+            / "reward.txt")
     assert reward(results["attacker"]) == 1.0, seen.read_text()  # what it could read
     assert reward(results["victim"]) == 1.0
 
 
 def test_a_job_run_from_opt_with_its_tasks_and_jobs_inside_passes(
-    opt_dir: Path, tmp_path: Path
+    job_from_opt: dict[str, Any]
 ) -> None:
-    """Harbor's working directory, its tasks and its jobs: hidden paths inside one
-    another, all in a system directory."""
-    shutil.copytree(TASKS / "hello-file", opt_dir / "tasks" / "hello-file")
-
-    completed = run_harbor(opt_dir / "jobs", "-p", str(opt_dir / "tasks"), "-a", "oracle",
-                           "--ek", f"cache_dir={tmp_path / 'cache'}", cwd=opt_dir)
-
+    completed = job_from_opt["completed"]
     assert completed.returncode == 0, completed.stderr
-    [result] = trial_results(opt_dir / "jobs").values()
+    [result] = job_from_opt["results"].values()
     assert result["exception_info"] is None, result["exception_info"]
     assert reward(result) == 1.0
 
 
 def test_jobs_under_opt_reuse_the_image_the_first_one_built(
-    opt_dir: Path, tmp_path: Path
+    opt_jobs: dict[str, Path], job_from_opt: dict[str, Any], dataset_under_opt: dict[str, Any]
 ) -> None:
-    cache_dir = tmp_path / "cache"
-    for name in ("first", "second"):
-        completed = run_harbor(opt_dir / name, "-p", str(TASKS / "hello-file"), "-a", "oracle",
-                               "--ek", f"cache_dir={cache_dir}")
-        assert completed.returncode == 0, completed.stderr
-        assert [reward(r) for r in trial_results(opt_dir / name).values()] == [1.0]
+    for job in (job_from_opt, dataset_under_opt):
+        assert job["completed"].returncode == 0, job["completed"].stderr
+        assert {reward(r) for r in job["results"].values()} == {1.0}
 
-    assert len(ImageCache(cache_dir).entries()) == 1
-    assert len(list((cache_dir / "host").iterdir())) == 1
+    assert len(ImageCache(opt_jobs["cache"]).entries()) == 1
+    assert len(list((opt_jobs["cache"] / "host").iterdir())) == 1
 
 
 def test_in_a_system_directory_itself_its_harbor_tasks_and_jobs_are_hidden_not_the_rest(

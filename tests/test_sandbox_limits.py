@@ -240,14 +240,13 @@ class TestTrialLimits:
             directory.rmdir()
 
 
-@pytest.mark.harbor
-@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0,
-                    reason="LocalEnvironment is exercised here as root on Linux")
-@pytest.mark.skipif(not HOST.offers("memory"),
-                    reason=f"this machine's cgroups cannot hold limits: {HOST.reason}")
-def test_harbor_trials_get_their_tasks_memory_mb(tmp_path: Path) -> None:
-    # Through harbor's CLI: the same task and solution, whose solution needs 128 MiB on
-    # its way, passes with memory_mb 512 and fails with memory_mb 64.
+@pytest.fixture(scope="module")
+def limits_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One harbor job for the limits harbor's CLI passes: two tasks differing only in
+    ``memory_mb``, and one whose solution forks past ``pids_limit``. Each test reads its
+    own trials; the pids ceiling is far above what the memory tasks start, and the
+    fork-bomb task asks for no memory ceiling."""
+    tmp_path = tmp_path_factory.mktemp("limits-job")
     tasks = tmp_path / "tasks"
     for memory_mb in (64, 512):
         task = tasks / f"hello-{memory_mb}"
@@ -258,10 +257,34 @@ def test_harbor_trials_get_their_tasks_memory_mb(tmp_path: Path) -> None:
         solve = task / "solution" / "solve.sh"
         solve.write_text("#!/bin/sh\nset -e\n"
                          "python3 -c 'b = b\"x\" * (128 << 20)'\n" + solve.read_text())
-    completed = run_harbor(tmp_path / "jobs", "-p", str(tasks), "-a", "oracle", "-n", "2")
+    task = tasks / "fork-bomb"
+    shutil.copytree(TASKS / "hello-file", task)
+    (task / "solution" / "solve.sh").write_text(f"#!/bin/sh\n{FORK_BOMB} > /app/forks\n")
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/sh\nmkdir -p /logs/verifier\nread forked refused < /app/forks\n"
+        "cp /app/forks /logs/verifier/forks\n"
+        'if [ "$refused" -gt 0 ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n')
+
+    completed = run_harbor(tmp_path / "jobs", "-p", str(tasks), "-a", "oracle", "-n", "3",
+                           "--ek", "pids_limit=64")
+
     assert completed.returncode == 0, completed.stderr
+    assert sorted(result["task_name"] for result in trial_results(tmp_path / "jobs").values()
+                  ) == ["fork-bomb", "hello-512", "hello-64"]
+    return tmp_path / "jobs"
+
+
+@pytest.mark.harbor
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0,
+                    reason="LocalEnvironment is exercised here as root on Linux")
+@pytest.mark.skipif(not HOST.offers("memory"),
+                    reason=f"this machine's cgroups cannot hold limits: {HOST.reason}")
+def test_harbor_trials_get_their_tasks_memory_mb(limits_job: Path) -> None:
+    # Through harbor's CLI: the same task and solution, whose solution needs 128 MiB on
+    # its way, passes with memory_mb 512 and fails with memory_mb 64.
     rewards = {name.split("__")[0]: reward(result)
-               for name, result in trial_results(tmp_path / "jobs").items()}
+               for name, result in trial_results(limits_job).items()
+               if name.startswith("hello-")}
     assert rewards == {"hello-64": 0.0, "hello-512": 1.0}, rewards
 
 
@@ -427,22 +450,11 @@ def test_storage_mb_is_said_once_per_task_to_be_unenforced(
 @pytest.mark.skipif(not HOST.offers("pids"),
                     reason=f"this machine's cgroups cannot hold limits: {HOST.reason}")
 def test_harbors_cli_passes_pids_limit_and_a_solutions_fork_bomb_is_refused(
-        tmp_path: Path) -> None:
-    task = tmp_path / "fork-bomb"
-    shutil.copytree(TASKS / "hello-file", task)
-    (task / "solution" / "solve.sh").write_text(f"#!/bin/sh\n{FORK_BOMB} > /app/forks\n")
-    (task / "tests" / "test.sh").write_text(
-        "#!/bin/sh\nmkdir -p /logs/verifier\nread forked refused < /app/forks\n"
-        "cp /app/forks /logs/verifier/forks\n"
-        'if [ "$refused" -gt 0 ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n')
-
-    completed = run_harbor(tmp_path / "jobs", "-p", str(task), "-a", "oracle",
-                           "--ek", "pids_limit=64")
-
-    assert completed.returncode == 0, completed.stderr
-    [(name, result)] = trial_results(tmp_path / "jobs").items()
+        limits_job: Path) -> None:
+    [(name, result)] = [(name, result) for name, result in trial_results(limits_job).items()
+                        if name.startswith("fork-bomb__")]
     assert result["exception_info"] is None, result["exception_info"]
-    forks = tmp_path / "jobs" / "job" / name / "verifier" / "forks"
+    forks = limits_job / "job" / name / "verifier" / "forks"
     assert reward(result) == 1.0, forks.read_text() if forks.exists() else None
     forked, refused = map(int, forks.read_text().split())
     assert forked < 64 and forked + refused == 200
