@@ -14,7 +14,9 @@ if TYPE_CHECKING:
     from anthropic_server import AnthropicServer
     from e2b_fake import FakeE2B
 
-# harbor's job-end telemetry imports litellm: 3-4 s of CPU per harbor run the tests start.
+# harbor's job-end telemetry imports litellm: seconds of CPU per harbor run the tests start.
+# (harbor's preflight imports it as well when `-m` is given without
+# --skip-model-parsing-and-provider-mapping.)
 os.environ.setdefault("HARBOR_TELEMETRY", "0")
 
 
