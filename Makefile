@@ -35,10 +35,15 @@ TEST_PROCESSES := 2
 test: $(STAMP) lint
 	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
 
+# Bytecode for the interpreters the tests start, kept in the checkout (.pycache/): where the
+# environment sets PYTHONDONTWRITEBYTECODE, each of them would otherwise compile wmo_trio
+# again, and each pytest process rewrite every test module and plugin again.
+TEST_BYTECODE := PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(CURDIR)/.pycache
+
 # The edit-and-test loop: everything but harbor trials, soak-like hypothesis schedules,
 # sandboxes and subprocess runs (the `slow` marker), on both cores.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" -n 2
+	$(TEST_BYTECODE) $(PY) -m pytest -q -m "not slow" -n 2
 
 # Branch coverage of wmo_trio over the whole suite, subprocesses included; the report is
 # printed and written to coverage-html/. Fails when the engine or the episode package is
@@ -81,4 +86,4 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) jobs .pytest_cache
+	rm -rf $(VENV) jobs .pytest_cache .pycache

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
-from anthropic_server import AnthropicServer
-from e2b_fake import FakeE2B, Faults
 
-# harbor's job-end telemetry imports litellm: 3-4 s of CPU per harbor run the tests start.
+if TYPE_CHECKING:
+    # Imported by the fixtures that use them: the fake E2B brings the e2b SDK, about a
+    # second of CPU in every pytest process (xdist's controller and workers included).
+    from anthropic_server import AnthropicServer
+    from e2b_fake import FakeE2B
+
+# harbor's job-end telemetry imports litellm: seconds of CPU per harbor run the tests start.
+# (harbor's preflight imports it as well when `-m` is given without
+# --skip-model-parsing-and-provider-mapping.)
 os.environ.setdefault("HARBOR_TELEMETRY", "0")
 
 
 @pytest.fixture
 def anthropic_server() -> Iterator[AnthropicServer]:
     """A loopback stand-in for the Anthropic Messages API (see tests/anthropic_server.py)."""
+    from anthropic_server import AnthropicServer
+
     with AnthropicServer() as server:
         yield server
 
@@ -23,6 +32,8 @@ def anthropic_server() -> Iterator[AnthropicServer]:
 @pytest.fixture(scope="session")
 def fake_e2b() -> Iterator[FakeE2B]:
     """The loopback E2B service (see tests/e2b_fake.py), started once."""
+    from e2b_fake import FakeE2B
+
     with FakeE2B() as service:
         yield service
 
@@ -31,6 +42,8 @@ def fake_e2b() -> Iterator[FakeE2B]:
 def e2b(fake_e2b: FakeE2B, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeE2B]:
     """The fake E2B, with the SDK's variables pointing at it, its faults cleared, and a
     check that the test left no sandbox alive."""
+    from e2b_fake import Faults
+
     for name, value in fake_e2b.environment().items():
         monkeypatch.setenv(name, value)
     fake_e2b.faults = Faults()

@@ -8,9 +8,11 @@ take a leading batch axis), with the comparison's full 10,000 resamples.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
-import scipy.stats
 from harbor.utils.pass_at_k import _pass_at_k_for_task
 from rich.console import Console
 
@@ -92,6 +94,8 @@ def test_a_clear_winner_is_found_in_almost_every_draw() -> None:
 
 
 def test_the_exact_sign_flip_agrees_with_scipys_permutation_test() -> None:
+    import scipy.stats
+
     rng = np.random.default_rng(5)
     for size in (2, 3, 8, 11):
         data = np.round(rng.normal(0.1, 0.3, size), 2)
@@ -111,6 +115,8 @@ def test_zero_differences_leave_the_p_value_as_it_is() -> None:
 
 
 def test_many_differing_tasks_switch_to_wilcoxon() -> None:
+    import scipy.stats
+
     data = np.random.default_rng(9).normal(0.3, 0.3, EXACT_SIGN_FLIP_LIMIT + 8)
     p_value, method = sign_flip_p_value(data)
     assert method == "wilcoxon"
@@ -224,6 +230,19 @@ def test_nothing_to_compare_is_a_clear_error() -> None:
         compare([])
     with pytest.raises(CompareError, match="at least 10,000"):
         compare([trial("a", "t", 1.0)], resamples=10)
+
+
+@pytest.mark.slow  # a child interpreter
+def test_a_comparison_refused_for_bad_input_does_not_import_scipy() -> None:
+    # scipy costs about a second of CPU to import: only a comparison that computes pays it.
+    probe = ("import sys\n"
+             "from wmo_trio.compare import CompareError, compare\n"
+             "try:\n    compare([])\nexcept CompareError:\n    pass\n"
+             "print('scipy' in sys.modules)")
+    completed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                               timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == "False"
 
 
 def test_the_table_says_which_tasks_were_left_out_and_why() -> None:

@@ -460,18 +460,17 @@ def test_timeout_before_the_first_step_leaves_an_empty_partial_trace(
     tmp_path: Path, writes: TraceWrites, counts: Any,
 ) -> None:
     environment = FakeEnvironment()
-    outcome = single(tmp_path, [{"latency_s": 30, **bash("never")}, submit()], environment,
-                     timeout_sec=0.5)
+    agent = make_agent(tmp_path, [{"latency_s": 30, **bash("never")}, submit()], kind="faulty")
+    outcome, fired = drive(lambda: _timing_out_when(agent.provider.inner.turn_started(0), agent,
+                                                    environment))
     assert outcome.ending == "timeout"
-    assert outcome.seconds < 0.5 + PROMPT_S
+    assert outcome.returned_at - fired < PROMPT_S
     trace = one_trace(tmp_path, writes, outcome)
     assert isinstance(trace, PartialTrace) and trace.stop_reason == CANCELLED_BY_HARBOR_TIMEOUT
     assert trace.steps == [] and trace.turns == 0
     assert environment.calls == []
-    done = counts.of(trace.task_id)
-    assert (done["close"], done["record"]) == (1, 1)
-    # stopped while the worker waited on the model (or, on a very slow start, never started)
-    assert done.get("run", 0) == done.get("stop", 0) <= 1
+    # stopped while the worker waited on the model
+    assert counts.of(trace.task_id) == {"run": 1, "stop": 1, "close": 1, "record": 1}
 
 
 @pytest.mark.parametrize("mode", ["thread", "guest"])
@@ -615,8 +614,9 @@ def test_after_a_timeout_a_lost_trace_is_logged_and_the_timeout_propagates(
     tmp_path: Path, writes: TraceWrites, caplog: pytest.LogCaptureFixture, how: str,
 ) -> None:
     logs = _unwritable(tmp_path, writes, how)
-    outcome = single(logs, [bash("echo one"), {"latency_s": 30, **submit()}], FakeEnvironment(),
-                     timeout_sec=1.0)
+    agent = make_agent(logs, [bash("echo one"), {"latency_s": 30, **submit()}], kind="faulty")
+    outcome, _ = drive(lambda: _timing_out_when(agent.provider.inner.turn_started(1), agent,
+                                                FakeEnvironment()))
     assert outcome.ending == "timeout", repr(outcome.error)
     assert writes.to(logs) == 1
     assert "writing the trace of a stopped episode failed" in caplog.text
@@ -759,8 +759,10 @@ def test_a_failing_close_is_logged_and_the_outcome_stands(
 def test_a_failing_close_after_a_timeout_is_logged_and_the_timeout_stands(
     tmp_path: Path, writes: TraceWrites, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    outcome = single(tmp_path, [bash("echo one"), {"latency_s": 30, **submit()}], FakeEnvironment(),
-                     kind="faulty", settings={"close_error": True}, timeout_sec=1.0)
+    agent = make_agent(tmp_path, [bash("echo one"), {"latency_s": 30, **submit()}], kind="faulty",
+                       settings={"close_error": True})
+    outcome, _ = drive(lambda: _timing_out_when(agent.provider.inner.turn_started(1), agent,
+                                                FakeEnvironment()))
     assert outcome.ending == "timeout"
     trace = one_trace(tmp_path, writes, outcome)
     assert isinstance(trace, PartialTrace) and trace.stop_reason == CANCELLED_BY_HARBOR_TIMEOUT

@@ -5,6 +5,9 @@ and the modules that run under another interpreter keep to what it offers."""
 from __future__ import annotations
 
 import ast
+import functools
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,6 +55,8 @@ def _imported_by_name(tree: ast.Module, modules: set[str]) -> set[str]:
             and node.value.partition(":")[0] in modules}
 
 
+# Read once per process: each reading parses every module of the package.
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     """Every wmo_trio module and the wmo_trio modules it imports, wherever the import
     stands (module level, function body, TYPE_CHECKING blocks excepted), `wmo_trio`'s own
@@ -192,3 +197,45 @@ def test_the_floor_check_refuses_newer_syntax_and_other_packages() -> None:
     with pytest.raises(SyntaxError):
         standard_library_only("match x:\n    case 1:\n        pass\n", (3, 9))
     assert standard_library_only("import json\nfrom trio import run\n", (3, 9)) == {"json", "trio"}
+
+
+# What a process that loads the harbor agent and environment (every `harbor run` of them)
+# or runs `wmo-trio`'s command line must not import before a trial runs: each costs from a
+# tenth of a second to seconds of CPU, paid by every such process, and `trio_asyncio`
+# changes asyncio's loop policy for the whole process.
+HEAVY = ("anthropic", "openai", "e2b", "numpy", "scipy", "matplotlib", "litellm", "trio_asyncio")
+# wmo_trio's own modules that bring them, or that only some trials use.
+HEAVY_OWN = ("wmo_trio.compare", "wmo_trio.backends.e2b", "wmo_trio.backends.sandbox",
+             "wmo_trio.providers.anthropic", "wmo_trio.providers.openai", "wmo_trio.research")
+
+_LOAD_PROBE = """
+import importlib, json, sys
+
+def load(path):
+    module, _, name = path.partition(":")  # as harbor resolves an import path
+    return getattr(importlib.import_module(module), name)
+
+def loaded(prefixes):
+    return sorted(m for m in sys.modules
+                  if any(m == p or m.startswith(p + ".") for p in prefixes))
+
+found = {}
+load("wmo_trio.harbor:WmoTrioHarborAgent")
+found["agent alone: the sandbox"] = loaded(["wmo_trio.sandbox"])
+load("wmo_trio.harbor:LocalEnvironment")
+import wmo_trio.cli
+found["agent, environment and command line: heavy"] = loaded(sys.argv[1].split(","))
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.slow  # a child interpreter
+def test_loading_the_agent_the_environment_and_the_cli_imports_nothing_heavy() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-c", _LOAD_PROBE, ",".join(HEAVY + HEAVY_OWN)],
+        capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent)
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout) == {
+        "agent alone: the sandbox": [],
+        "agent, environment and command line: heavy": [],
+    }

@@ -11,7 +11,8 @@ averaged per task. Research-API episodes become records with `record_from_run` a
 through `compare` the same way. `Report` is the JSON of `wmo-trio compare --json`; its
 shape is described in docs/compare.md.
 
-numpy and scipy are imported with this package, never by `import wmo_trio` or the agent.
+numpy is imported with this package and scipy when a comparison computes its statistics,
+never by `import wmo_trio` or the agent.
 """
 
 from __future__ import annotations

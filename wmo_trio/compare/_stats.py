@@ -2,8 +2,9 @@
 
 Every function takes a leading batch axis where it helps (`values[..., tasks]`), so the
 simulations in the tests run the very code a comparison runs, on a thousand data sets at
-once. numpy and scipy are imported here, and this module only by `wmo_trio.compare`: the
-agent and `import wmo_trio` never pay for them.
+once. numpy is imported here, and this module only by `wmo_trio.compare`: the agent and
+`import wmo_trio` never pay for it. scipy (about a second of CPU to import) is imported by
+the functions that use it, so a comparison refused for bad input never pays for it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import scipy.stats
-from scipy.special import comb
 
 Floats = npt.NDArray[np.float64]
 
@@ -53,6 +52,8 @@ def bootstrap_interval(values: npt.ArrayLike, *, resamples: int = DEFAULT_RESAMP
 
 def _bca_or_percentile(data: Floats, resamples: int, seed: int,
                        confidence: float) -> tuple[Floats, Floats]:
+    import scipy.stats
+
     def interval(method: str) -> tuple[Floats, Floats]:
         with warnings.catch_warnings():
             # A degenerate row in BCa's jackknife warns and gives NaN; handled below.
@@ -90,6 +91,8 @@ def sign_flip_p_value(differences: npt.ArrayLike) -> tuple[float, str]:
     if len(nonzero) == 0:
         return 1.0, "all tied"
     if len(nonzero) > EXACT_SIGN_FLIP_LIMIT:
+        import scipy.stats
+
         return float(scipy.stats.wilcoxon(nonzero).pvalue), "wilcoxon"
     return float(exact_sign_flip(nonzero[np.newaxis, :])[0]), "exact sign-flip"
 
@@ -125,6 +128,8 @@ def pass_at_k(successes: list[list[bool]]) -> dict[int, float]:
     5, 10, 15, ... up to the fewest attempts of any task."""
     if not successes:
         return {}
+    from scipy.special import comb
+
     fewest = min(len(task) for task in successes)
     ks = sorted({2 ** p for p in range(1, 32) if 2 ** p <= fewest} | set(range(5, fewest + 1, 5)))
     result: dict[int, float] = {}

@@ -4,10 +4,35 @@
 - `LocalEnvironment`: a docker-free import-path environment
   (`-e wmo_trio.harbor:LocalEnvironment`).
 - `run_job`: run a harbor `Job` from a trio program, trio owning the loop.
+
+`LocalEnvironment` and `run_job` are imported on first use: a process that only loads the
+agent (harbor with another environment, `wmo-trio run` checking its options) does not
+import the sandbox.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from wmo_trio.harbor._agent import AGENT_NAME, HarborEpisode, WmoTrioHarborAgent
-from wmo_trio.harbor._job import run_job
-from wmo_trio.sandbox import LocalEnvironment
+
+if TYPE_CHECKING:
+    from wmo_trio.harbor._job import run_job
+    from wmo_trio.sandbox import LocalEnvironment
+
+_LAZY = {
+    "LocalEnvironment": "wmo_trio.sandbox",
+    "run_job": "wmo_trio.harbor._job",
+}
 
 __all__ = ["AGENT_NAME", "HarborEpisode", "LocalEnvironment", "WmoTrioHarborAgent", "run_job"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'wmo_trio.harbor' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
