@@ -56,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -99,10 +100,14 @@ FULL = Profile(model_s=2.0, command_s=0.5)
 QUICK = Profile(model_s=0.2, command_s=0.05)
 FULL_SIZES = {"anthropic": [256, 1024, 4096], "openai": [1024], "scripted": [1024, 4096]}
 QUICK_SIZES = {"anthropic": [8, 32], "openai": [8], "scripted": [32]}
-# A smoke run (`python -m benchmarks --quick --smoke`): every implementation, provider and
-# layout once, at the fewest episodes that still give every figure (the test suite's check
-# of the outputs, where figures mean nothing).
-SMOKE_SIZES = {"anthropic": [1, 2], "openai": [1], "scripted": [2]}
+
+
+def smoke_sizes() -> dict[str, list[int]]:
+    """A smoke run (`python -m benchmarks --quick --smoke`): every implementation, provider
+    and layout once, at the fewest episodes that still give every figure (the test suite's
+    check of the outputs, where figures mean nothing). Its `anthropic` runs are the split's
+    single-interpreter layout too: one episode for each interpreter of the other."""
+    return {"anthropic": [split_processes()], "openai": [1], "scripted": [2]}
 
 
 def runs_provider(impl: str, provider: str) -> bool:
@@ -367,6 +372,9 @@ class Burst:
     root: Path
     progress: Progress
     tally: Tally = field(default_factory=Tally)
+    # as harbor's job with `--skip-model-parsing-and-provider-mapping` constructs the agent:
+    # no litellm lookup of the model name (a smoke run, where litellm's import is waste)
+    skip_model_parsing: bool = False
     window: Window = field(default_factory=Window)
     sampler: ThreadSampler = field(default_factory=ThreadSampler)
 
@@ -407,13 +415,15 @@ def new_agent(burst: Burst, logs_dir: Path) -> Any:
 
         return OriginalDesignAgent(logs_dir=logs_dir, model_name=burst.model_name(),
                                    provider_config=burst.provider_config(), episode_workers=burst.n,
-                                   command_timeout_sec=COMMAND_TIMEOUT_SEC)
+                                   command_timeout_sec=COMMAND_TIMEOUT_SEC,
+                                   skip_model_parsing=burst.skip_model_parsing)
     from wmo_trio.harbor import WmoTrioHarborAgent
 
     return WmoTrioHarborAgent(
         logs_dir=logs_dir, model_name=burst.model_name(), harness=HARNESS,
         provider_config=burst.provider_config(), episode_workers=burst.n,
-        episode_timeout_sec=burst.episode_timeout_sec, command_timeout_sec=COMMAND_TIMEOUT_SEC)
+        episode_timeout_sec=burst.episode_timeout_sec, command_timeout_sec=COMMAND_TIMEOUT_SEC,
+        skip_model_parsing=burst.skip_model_parsing)
 
 
 async def harbor_trials(burst: Burst, environments: list[Any]) -> None:
@@ -696,12 +706,23 @@ def run_burst(burst: Burst) -> dict[str, Any]:
 # -- the suite ----------------------------------------------------------------------------
 
 
-def _command(impl: str, bursts: list[tuple[str, int]], profile: Profile, base_url: str,
-             cap_s: float) -> list[str]:
-    return [sys.executable, "-W", "ignore", "-m", "benchmarks.traffic", "run", "--impl", impl,
+def _command(impls: str | tuple[str, ...], bursts: list[tuple[str, int]], profile: Profile,
+             base_url: str, cap_s: float, sdk_calls: int = 0,
+             skip_model_parsing: bool = False) -> list[str]:
+    impls = (impls,) if isinstance(impls, str) else impls
+    return [sys.executable, "-W", "ignore", "-m", "benchmarks.traffic", "run",
+            *(f"--impl={impl}" for impl in impls),
             *(f"--burst={provider}:{n}" for provider, n in bursts), "--base-url", base_url,
             "--model-s", repr(profile.model_s), "--command-s", repr(profile.command_s),
-            "--cap", repr(cap_s)]
+            "--cap", repr(cap_s), *((f"--sdk-calls={sdk_calls}",) if sdk_calls else ()),
+            *(("--skip-model-parsing",) if skip_model_parsing else ())]
+
+
+def _use_host(impl: str) -> None:
+    """`_environ`'s choice of host, made in this process (for a run of several impls)."""
+    os.environ.pop("WMO_TRIO_HOST", None)
+    if impl == "guest":
+        os.environ["WMO_TRIO_HOST"] = "guest"
 
 
 def _environ(impl: str) -> dict[str, str]:
@@ -713,7 +734,7 @@ def _environ(impl: str) -> dict[str, str]:
     return env
 
 
-def _finish(process: subprocess.Popen[str], timeout_s: float, impl: str,
+def _finish(process: subprocess.Popen[str], timeout_s: float, impls: str | tuple[str, ...],
             bursts: list[tuple[str, int]]) -> list[dict[str, Any]]:
     """The runs' figures; a run that failed or had to be killed is reported as such."""
     try:
@@ -724,7 +745,9 @@ def _finish(process: subprocess.Popen[str], timeout_s: float, impl: str,
         process.communicate()
         failed = f"killed after {timeout_s:.0f} s: the run did not end"
     if failed:
-        return [{"impl": impl, "provider": provider, "n": n, "failed": failed} for provider, n in bursts]
+        return [{"impl": impl, "provider": provider, "n": n, "failed": failed}
+                for impl in ((impls,) if isinstance(impls, str) else impls)
+                for provider, n in bursts if runs_provider(impl, provider)]
     runs: list[dict[str, Any]] = json.loads(out)
     return runs
 
@@ -772,11 +795,11 @@ def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
           impls: tuple[str, ...] = IMPLS, cap_s: float | None = None, smoke: bool = False,
           log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """The whole scenario; see the module docstring. Ratios come from `markdown_rows`.
-    `smoke` (with `quick`): `SMOKE_SIZES`, one episode per process of the split."""
+    `smoke` (with `quick`): `smoke_sizes()`, in the fewest interpreters (`_smoke`)."""
     from benchmarks import messages_server
 
     profile = QUICK if quick else FULL
-    sizes = sizes or (SMOKE_SIZES if smoke else QUICK_SIZES if quick else FULL_SIZES)
+    sizes = sizes or (smoke_sizes() if smoke else QUICK_SIZES if quick else FULL_SIZES)
     # A cap ends a collapsed run and reports it (timed-out episodes) instead of hanging:
     # harbor's agent timeout for each trial, the whole fan-out for the research API. A
     # quick run only checks shape, so its cap is loose enough for a busy machine.
@@ -786,9 +809,11 @@ def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
                                "impls": list(impls), "load_before": os.getloadavg(), "runs": []}
     bursts = [(provider, n) for provider in PROVIDERS for n in sizes.get(provider, [])]
     with messages_server.serve(delay_s=profile.model_s, tool_calls=profile.tool_calls) as server:
-        log("SDK cost per call ...")
-        results["sdk"] = _sdk_cost(server.base_url, 10 if smoke else 100 if quick else 300)
-        if quick:
+        if smoke:
+            results.update(_smoke(impls, bursts, profile, server, cap, log))
+        elif quick:
+            log("SDK cost per call ...")
+            results["sdk"] = _sdk_cost(server.base_url, 100)
             # Shape only: each implementation runs every burst in one interpreter, all of
             # them side by side, which keeps the quick suite short.
             log(f"all bursts, {', '.join(impls)} side by side ...")
@@ -805,8 +830,10 @@ def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
             results["server"] = server.stats()
             machine = share.figures(results["server"]["cpu_s"])  # the whole batch's
             results["runs"] += [{**run, "load_before": load, "machine": machine} for run in runs]
-            results["split"] = split_runs(profile, server, cap, log, per_process=1 if smoke else 8)
+            results["split"] = split_runs(profile, server, cap, log, per_process=8)
         else:
+            log("SDK cost per call ...")
+            results["sdk"] = _sdk_cost(server.base_url, 300)
             # One interpreter per implementation and size, one after the other, so that
             # no run shares the machine, its threads or its memory with another.
             for burst in bursts:
@@ -834,12 +861,62 @@ SPLIT_PER_PROCESS = 1024
 SPLIT_IMPLS = ("thread", "research")
 
 
+def split_processes() -> int:
+    return max(2, os.cpu_count() or 1)
+
+
+def _smoke(impls: tuple[str, ...], bursts: list[tuple[str, int]], profile: Profile, server: Any,
+           cap: float, log: Callable[[str], None]) -> dict[str, Any]:
+    """A smoke run's `sdk`, `server`, `runs` and `split`, in `split_processes() + 1`
+    interpreters instead of a quick run's thirteen: each interpreter's imports (the SDKs',
+    litellm's) cost more than all of its episodes, and a smoke run checks that every
+    figure is produced, not what a process costs. One interpreter measures the SDKs' own
+    cost, then runs every implementation's bursts one after the other (trio-asyncio,
+    which changes asyncio's loop policy for the process, last); its `anthropic` runs of
+    `thread` and `research` are the split's single-interpreter layout. The split's other
+    layout keeps one interpreter per core side by side, each running both of
+    `SPLIT_IMPLS` one after the other. Every agent is constructed as a harbor job run with
+    `--skip-model-parsing-and-provider-mapping` (as the README runs one) constructs it, so
+    no interpreter imports litellm to look the model name up."""
+    order = tuple(sorted(impls, key=lambda impl: impl == "trio-asyncio"))
+    log(f"SDK cost per call, then all bursts of {', '.join(order)} in one interpreter ...")
+    load = os.getloadavg()
+    server.stats(reset=True)
+    share = MachineShare()
+    process = subprocess.Popen(
+        _command(order, bursts, profile, server.base_url, cap, sdk_calls=10, skip_model_parsing=True),
+        cwd=ROOT, env=_environ("thread"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = process.communicate(timeout=2 * cap * len(order) * len(bursts) + 300)
+    if process.returncode != 0:
+        raise RuntimeError(f"the smoke traffic run failed:\n{err[-3000:]}")
+    ran: dict[str, Any] = json.loads(out)
+    stats = server.stats()
+    machine = share.figures(stats["cpu_s"])
+    runs = [{**run, "load_before": load, "machine": machine} for run in ran["runs"]]
+    processes = split_processes()
+    log(f"anthropic x {processes} as {processes} x 1: {', '.join(SPLIT_IMPLS)} ...")
+    burst = [("anthropic", 1)]
+    running = [subprocess.Popen(
+        _command(SPLIT_IMPLS, burst, profile, server.base_url, cap, skip_model_parsing=True),
+        cwd=ROOT, env=_environ("thread"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(processes)]
+    spread = [_finish(process, 4 * cap + 300, SPLIT_IMPLS, burst) for process in running]
+    split = []
+    for impl in SPLIT_IMPLS:
+        split.append({"impl": impl, "processes": processes, "episodes": processes,
+                      "runs": [run for each in spread for run in each if run["impl"] == impl]})
+        single = [run for run in ran["runs"]
+                  if (run["impl"], run["provider"], run["n"]) == (impl, "anthropic", processes)]
+        split.append({"impl": impl, "processes": 1, "episodes": processes, "runs": single})
+    return {"sdk": ran["sdk"], "server": stats, "runs": runs, "split": split}
+
+
 def split_runs(profile: Profile, server: Any, cap: float, log: Callable[[str], None], *,
                per_process: int = SPLIT_PER_PROCESS) -> list[dict[str, Any]]:
     """For each of `SPLIT_IMPLS`: one interpreter per core, each running `per_process`
     anthropic episodes at the same time, then the same total in a single interpreter.
     Each entry: the processes, the episodes in all, and their runs."""
-    processes = max(2, os.cpu_count() or 1)
+    processes = split_processes()
     total = processes * per_process
     entries = []
     for impl in SPLIT_IMPLS:
@@ -953,7 +1030,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.traffic")
     commands = parser.add_subparsers(dest="command", required=True)
     one = commands.add_parser("run", help="one implementation at one size, in this process")
-    one.add_argument("--impl", choices=IMPLS, required=True)
+    one.add_argument("--impl", choices=IMPLS, action="append", required=True,
+                     help="repeatable (a smoke run): each in turn, every burst it runs")
+    one.add_argument("--sdk-calls", type=int, default=0,
+                     help="first measure the SDKs' own cost (benchmarks/sdk_cost.py) with this "
+                          "many calls; then prints {\"sdk\": ..., \"runs\": [...]}")
+    one.add_argument("--skip-model-parsing", action="store_true",
+                     help="construct the agents as harbor's --skip-model-parsing-and-provider-"
+                          "mapping does: no litellm lookup (and import) of the model name")
     one.add_argument("--burst", action="append", required=True, metavar="PROVIDER:N",
                      help="a provider (anthropic, openai or scripted) and a number of episodes; repeatable")
     one.add_argument("--base-url", required=True)
@@ -969,16 +1053,33 @@ def main() -> None:
     everything.add_argument("--cap", type=float, help="as for run (default 30x ideal)")
     args = parser.parse_args()
     if args.command == "run":
-        results = []
+        bursts = []
         for spec in args.burst:
             provider, _, n = spec.partition(":")
             if provider not in PROVIDERS or not n.isdigit() or int(n) < 1:
                 parser.error(f"--burst {spec}: expected PROVIDER:N, PROVIDER one of {PROVIDERS}")
-            with tempfile.TemporaryDirectory(prefix="wmo-bench-traffic-") as scratch:
-                burst = Burst(args.impl, provider, int(n), Profile(args.model_s, args.command_s),
-                              args.base_url, args.cap, Path(scratch), Progress(int(n)))
-                results.append(run_burst(burst))
-        json.dump(results, sys.stdout)
+            bursts.append((provider, int(n)))
+        sdk = None
+        if args.sdk_calls:  # before anything here imports an SDK: it measures the import
+            from benchmarks import sdk_cost
+
+            sdk = sdk_cost.measure(args.base_url, args.sdk_calls)
+            # the server's counters then count the episodes' calls only, as in a quick run
+            reset = urllib.request.Request(args.base_url + "/stats/reset", method="POST")
+            with urllib.request.urlopen(reset, timeout=60):
+                pass
+        results = []
+        for impl in args.impl:
+            _use_host(impl)
+            for provider, n in bursts:
+                if not runs_provider(impl, provider):
+                    continue
+                with tempfile.TemporaryDirectory(prefix="wmo-bench-traffic-") as scratch:
+                    burst = Burst(impl, provider, n, Profile(args.model_s, args.command_s),
+                                  args.base_url, args.cap, Path(scratch), Progress(n),
+                                  skip_model_parsing=args.skip_model_parsing)
+                    results.append(run_burst(burst))
+        json.dump(results if sdk is None else {"sdk": sdk, "runs": results}, sys.stdout)
         return
     defaults = QUICK_SIZES if args.quick else FULL_SIZES
     sizes = {provider: (args.sizes or defaults[provider]) if provider in args.providers else []

@@ -1,8 +1,9 @@
 """`make bench-quick` runs every scenario and produces its outputs (shape, not timings).
 
 The suite runs it as `--quick --smoke`: the same scenarios, implementations, providers and
-layouts, each at the fewest episodes that still give every figure (bench-quick's own sizes
-cost over a hundred CPU-seconds, nearly all of it the same code at larger sizes)."""
+layouts, each at the fewest episodes that still give every figure and the real-traffic runs
+in the fewest interpreters (bench-quick's own sizes and processes cost over a hundred
+CPU-seconds, nearly all of it the same code at larger sizes and the SDKs' imports)."""
 
 from __future__ import annotations
 
@@ -57,9 +58,9 @@ def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
     assert "| scenario | baseline (asyncio) |" in table and "cancel p99" in table
     assert "Real harbor job" in table and "process CPU time / ideal wall time" in table
     assert "| real traffic | baseline (original design) |" in table
-    assert "CPU per step / SDK's own per call (sync client) @ 2 (anthropic)" in table
-    assert "CPU per step / SDK's own per call (AsyncOpenAI on trio) @ 1 (openai)" in table
     cores = max(2, os.cpu_count() or 1)
+    assert f"CPU per step / SDK's own per call (sync client) @ {cores} (anthropic)" in table
+    assert "CPU per step / SDK's own per call (AsyncOpenAI on trio) @ 1 (openai)" in table
     assert "Beyond one process" in table and f"| wmo_trio thread | {cores} x 1 |" in table
     assert "No figures for" not in table
     assert "| added start latency, median | - |" in table
@@ -84,14 +85,15 @@ def check_traffic(traffic: dict[str, Any]) -> None:
         assert sdk[f"{prefix}sync_cpu_per_call_ms"] > 0 < sdk[f"{prefix}async_trio_cpu_per_call_ms"]
     assert sdk["client_cpu_ms"] > 0
     impls = {"baseline", "thread", "guest", "trio-asyncio", "research", "sdk-alone"}
+    cores = max(2, os.cpu_count() or 1)  # the split's processes, one episode each
     expected = {(impl, provider, n) for impl in impls
-                for provider, n in (("anthropic", 1), ("anthropic", 2), ("openai", 1), ("scripted", 2))
+                for provider, n in (("anthropic", cores), ("openai", 1), ("scripted", 2))
                 if (impl, provider) not in (("baseline", "openai"), ("sdk-alone", "scripted"))}
     assert {(r["impl"], r["provider"], r["n"]) for r in traffic["runs"]} == expected
     # Beyond one process: each layout of the same episodes ran them all to their submit.
     split = traffic["split"]
     assert {(entry["impl"], entry["processes"]) for entry in split} == {
-        (impl, count) for impl in ("thread", "research") for count in (1, max(2, os.cpu_count() or 1))}
+        (impl, count) for impl in ("thread", "research") for count in (1, cores)}
     for entry in split:
         assert len(entry["runs"]) == entry["processes"], entry
         assert sum(run["submitted"] for run in entry["runs"]) == entry["episodes"], entry
