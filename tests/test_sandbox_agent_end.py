@@ -38,7 +38,7 @@ from wmo_trio.sandbox._cgroup import HostCgroups
 
 __all__ = ["pytestmark"]
 
-GET = 'import urllib.request as u; print(u.urlopen("http://127.0.0.1:{port}/").read().decode())'
+GET = 'import urllib.request as u; print(u.urlopen("http://127.0.0.1:{port}/", timeout=5).read().decode())'
 # The agent's leftovers: a loop that keeps rewriting a file the verifier reads, and a
 # sleeper; both clear their environment and leave the agent's session. Each rewrite is a
 # rename, so the end of the agent phase never finds the file truncated and not yet
@@ -133,12 +133,17 @@ def _hostile_task(tasks: Path, seconds: int, port: int, *, times_out: bool) -> P
         mkdir -p /logs/verifier
         cd /logs/verifier
         for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done > processes.txt 2>&1
+        # Waits well inside the verifier's budget, so that a service that never answers
+        # still leaves the checks, and what ran then, for the test to show.
         answer=
-        for i in $(seq 600); do
+        end=$(( $(date +%s) + 30 ))
+        while [ "$(date +%s)" -lt "$end" ]; do
             answer=$(python3 -c '{GET.format(port=port)}' 2>/dev/null) && break
             sleep 0.1
         done
         echo "service: $answer" > checks.txt
+        for p in /proc/[0-9]*; do echo "$p $(tr '\\0' ' ' < $p/cmdline)"; done > after.txt 2>&1
+        cat /proc/net/tcp >> after.txt
         if [ ! -s /app/tamper ]; then
             echo "the agent's loop never ran" >> checks.txt
             echo 0 > reward.txt
@@ -184,8 +189,9 @@ def test_processes_the_agent_detached_are_gone_before_the_verifier_and_services_
         assert result["exception_info"]["exception_type"] == "AgentTimeoutError"
     else:
         assert result["exception_info"] is None, result["exception_info"]
-    assert reward(result) == 1.0, ((verifier / "checks.txt").read_text(),
-                                   (verifier / "processes.txt").read_text())
+    shown = {log: (verifier / log).read_text() if (verifier / log).exists() else None
+             for log in ("checks.txt", "processes.txt", "after.txt")}
+    assert reward(result) == 1.0, (result["exception_info"], shown)
     assert sleepers(leftovers_job["seconds"][ending]) == []
 
 
