@@ -12,8 +12,7 @@ The harbor agent is `wmo_trio.harbor:WmoTrioHarborAgent`.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from wmo_trio._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -36,10 +35,4 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'wmo_trio' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -12,9 +12,9 @@ import the sandbox.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from wmo_trio._lazy import lazy_exports
 from wmo_trio.harbor._agent import AGENT_NAME, HarborEpisode, WmoTrioHarborAgent
 
 if TYPE_CHECKING:
@@ -29,10 +29,4 @@ _LAZY = {
 __all__ = ["AGENT_NAME", "HarborEpisode", "LocalEnvironment", "WmoTrioHarborAgent", "run_job"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'wmo_trio.harbor' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)
