@@ -449,7 +449,7 @@ def main() -> None:
     background: threading.Thread | None = None
     if "traffic" in parts and args.quick:
         # Shape only: the traffic runs share the machine with the rest of the quick suite,
-        # which keeps its whole length near a minute.
+        # which keeps the whole of it to a couple of minutes.
         background = threading.Thread(target=run_traffic, name="traffic")
         background.start()
     if "engine" in parts and "engine" not in results:

@@ -58,7 +58,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -706,10 +706,9 @@ def run_burst(burst: Burst) -> dict[str, Any]:
 # -- the suite ----------------------------------------------------------------------------
 
 
-def _command(impls: str | tuple[str, ...], bursts: list[tuple[str, int]], profile: Profile,
+def _command(impls: tuple[str, ...], bursts: list[tuple[str, int]], profile: Profile,
              base_url: str, cap_s: float, sdk_calls: int = 0,
              skip_model_parsing: bool = False) -> list[str]:
-    impls = (impls,) if isinstance(impls, str) else impls
     return [sys.executable, "-W", "ignore", "-m", "benchmarks.traffic", "run",
             *(f"--impl={impl}" for impl in impls),
             *(f"--burst={provider}:{n}" for provider, n in bursts), "--base-url", base_url,
@@ -718,23 +717,22 @@ def _command(impls: str | tuple[str, ...], bursts: list[tuple[str, int]], profil
             *(("--skip-model-parsing",) if skip_model_parsing else ())]
 
 
-def _use_host(impl: str) -> None:
-    """`_environ`'s choice of host, made in this process (for a run of several impls)."""
-    os.environ.pop("WMO_TRIO_HOST", None)
+def _use_host(impl: str, env: MutableMapping[str, str]) -> None:
+    """The host `impl` runs wmo_trio's episodes on, chosen in `env`: a child's, or this
+    process's own for a run of several impls in turn."""
+    env.pop("WMO_TRIO_HOST", None)
     if impl == "guest":
-        os.environ["WMO_TRIO_HOST"] = "guest"
+        env["WMO_TRIO_HOST"] = "guest"
 
 
 def _environ(impl: str) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LITELLM_LOCAL_MODEL_COST_MAP": "True",
            API_KEY_ENV: "bench-key", OPENAI_KEY_ENV: "bench-key"}
-    env.pop("WMO_TRIO_HOST", None)
-    if impl == "guest":
-        env["WMO_TRIO_HOST"] = "guest"
+    _use_host(impl, env)
     return env
 
 
-def _finish(process: subprocess.Popen[str], timeout_s: float, impls: str | tuple[str, ...],
+def _finish(process: subprocess.Popen[str], timeout_s: float, impls: tuple[str, ...],
             bursts: list[tuple[str, int]]) -> list[dict[str, Any]]:
     """The runs' figures; a run that failed or had to be killed is reported as such."""
     try:
@@ -746,7 +744,7 @@ def _finish(process: subprocess.Popen[str], timeout_s: float, impls: str | tuple
         failed = f"killed after {timeout_s:.0f} s: the run did not end"
     if failed:
         return [{"impl": impl, "provider": provider, "n": n, "failed": failed}
-                for impl in ((impls,) if isinstance(impls, str) else impls)
+                for impl in impls
                 for provider, n in bursts if runs_provider(impl, provider)]
     runs: list[dict[str, Any]] = json.loads(out)
     return runs
@@ -823,10 +821,10 @@ def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
             own = {impl: [(provider, n) for provider, n in bursts if runs_provider(impl, provider)]
                    for impl in impls}
             running = {impl: subprocess.Popen(
-                _command(impl, own[impl], profile, server.base_url, cap), cwd=ROOT, env=_environ(impl),
+                _command((impl,), own[impl], profile, server.base_url, cap), cwd=ROOT, env=_environ(impl),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for impl in impls}
             runs = [run for impl, process in running.items()
-                    for run in _finish(process, 2 * cap * len(own[impl]) + 300, impl, own[impl])]
+                    for run in _finish(process, 2 * cap * len(own[impl]) + 300, (impl,), own[impl])]
             results["server"] = server.stats()
             machine = share.figures(results["server"]["cpu_s"])  # the whole batch's
             results["runs"] += [{**run, "load_before": load, "machine": machine} for run in runs]
@@ -843,10 +841,10 @@ def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
                     log(f"{burst[0]} x {burst[1]:,}: {impl} (load {load[0]:.2f}) ...")
                     share = MachineShare()
                     process = subprocess.Popen(
-                        _command(impl, [burst], profile, server.base_url, cap), cwd=ROOT,
+                        _command((impl,), [burst], profile, server.base_url, cap), cwd=ROOT,
                         env=_environ(impl), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                     # the cap bounds each trial's run(), not its construction and setup
-                    [run] = _finish(process, 2 * cap + 300, impl, [burst])
+                    [run] = _finish(process, 2 * cap + 300, (impl,), [burst])
                     stats = server.stats()
                     results["runs"].append({**run, "load_before": load, "server": stats,
                                             "machine": share.figures(stats["cpu_s"])})
@@ -923,10 +921,10 @@ def split_runs(profile: Profile, server: Any, cap: float, log: Callable[[str], N
         for count, each in ((processes, per_process), (1, total)):
             log(f"anthropic x {total:,} as {count} x {each:,}: {impl} ...")
             burst = [("anthropic", each)]
-            running = [subprocess.Popen(_command(impl, burst, profile, server.base_url, cap), cwd=ROOT,
+            running = [subprocess.Popen(_command((impl,), burst, profile, server.base_url, cap), cwd=ROOT,
                                         env=_environ(impl), stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True) for _ in range(count)]
-            runs = [run for process in running for run in _finish(process, 2 * cap + 300, impl, burst)]
+            runs = [run for process in running for run in _finish(process, 2 * cap + 300, (impl,), burst)]
             entries.append({"impl": impl, "processes": count, "episodes": total, "runs": runs})
     return entries
 
@@ -1070,7 +1068,7 @@ def main() -> None:
                 pass
         results = []
         for impl in args.impl:
-            _use_host(impl)
+            _use_host(impl, os.environ)
             for provider, n in bursts:
                 if not runs_provider(impl, provider):
                     continue

@@ -246,15 +246,6 @@ def test_bad_input_is_one_line_and_exit_code_2(arguments: list[str], fragment: s
     assert len(completed.stderr.strip().splitlines()) <= 2
 
 
-def test_neither_wmo_trio_nor_its_agent_nor_its_cli_imports_numpy_scipy_or_matplotlib() -> None:
-    probe = ("import sys, wmo_trio, wmo_trio.cli, wmo_trio.harbor\n"
-             "print(sorted(m for m in ('numpy', 'scipy', 'matplotlib') if m in sys.modules))")
-    completed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                               timeout=120, cwd=ROOT)
-    assert completed.returncode == 0, completed.stderr
-    assert completed.stdout.strip() == "[]"
-
-
 async def test_research_episodes_compare_the_same_way(tmp_path: Path) -> None:
     """Episodes of the research pool, scored by the caller, compared by `compare`."""
     provider = {"kind": "scripted", "model": "offline"}

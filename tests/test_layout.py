@@ -229,8 +229,8 @@ print(json.dumps(found))
 """
 
 
-@pytest.mark.slow  # a child interpreter
 def test_loading_the_agent_the_environment_and_the_cli_imports_nothing_heavy() -> None:
+    # Not marked slow: this one child interpreter guards what every harbor run imports.
     completed = subprocess.run(
         [sys.executable, "-c", _LOAD_PROBE, ",".join(HEAVY + HEAVY_OWN)],
         capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent)

@@ -14,6 +14,7 @@ import textwrap
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -332,14 +333,20 @@ def test_a_cancelled_command_leaves_no_process_and_no_zombie(tmp_path: Path) -> 
 # image (/opt here; /usr, /var and /etc alike): the tests make one of their own there.
 
 
-@pytest.fixture
-def opt_dir() -> Iterator[Path]:
+@contextmanager
+def _directory_in_opt() -> Iterator[Path]:
     path = Path("/opt") / f"wmo-trio-test-{uuid.uuid4().hex[:12]}"
     path.mkdir()
     try:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def opt_dir() -> Iterator[Path]:
+    with _directory_in_opt() as path:
+        yield path
 
 
 def _by_task(jobs_dir: Path) -> dict[str, dict[str, Any]]:
@@ -351,12 +358,8 @@ def opt_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pat
     """Two jobs under /opt, one image cache: the first run from /opt with its tasks and
     jobs inside its working directory, the second with a dataset of two tasks beside
     its jobs, run from elsewhere. Each test reads the job it is about."""
-    path = Path("/opt") / f"wmo-trio-test-{uuid.uuid4().hex[:12]}"
-    path.mkdir()
-    try:
+    with _directory_in_opt() as path:
         yield {"opt": path, "cache": tmp_path_factory.mktemp("opt-cache")}
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
