@@ -36,9 +36,20 @@ $(STAMP): pyproject.toml constraints.txt scripts/find-python
 # test file runs whole in one of them (`--dist loadfile`), so a module's shared harbor job
 # runs once. (xdist's `loadgroup` would be finer, but with pytest 9.2 it groups nothing:
 # it renames the items' `_nodeid`, which pytest no longer reads.)
+# Lint and types run beside the tests at the lowest CPU priority, so they take the cycles
+# the tests leave idle (while trials wait on timeouts, sandboxes and servers) rather than
+# a minute of their own before them; their report follows the tests', and either failing
+# fails the target.
 TEST_PROCESSES := 2
-test: $(STAMP) lint
-	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
+test: $(STAMP)
+	@lint_log=$$(mktemp) || exit 1; \
+	nice -n 19 $(MAKE) --no-print-directory lint > "$$lint_log" 2>&1 & lint=$$!; \
+	trap 'kill $$lint 2>/dev/null; rm -f "$$lint_log"; exit 130' INT TERM; \
+	echo "$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile  (lint and types beside it)"; \
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile; tested=$$?; \
+	wait $$lint; linted=$$?; cat "$$lint_log"; rm -f "$$lint_log"; \
+	[ $$linted -eq 0 ] || echo "make test: lint or types failed (above)"; \
+	[ $$tested -eq 0 ] && [ $$linted -eq 0 ]
 
 # The edit-and-test loop: everything but harbor trials, soak-like hypothesis schedules,
 # sandboxes and subprocess runs (the `slow` marker), on both cores.
