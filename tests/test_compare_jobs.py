@@ -1,25 +1,32 @@
 """`wmo-trio compare` on real harbor job directories and on research-API episodes (issue 28).
 
-The jobs are made by harbor's own CLI on the bundled tasks with the scripted provider:
-the example document, a variant that differs only in a prompt, a variant without
-`write_file` (which the offline policy needs for two of the three tasks), and harbor's
-own `oracle` agent.
+The jobs are the ones docs/compare.md's example makes: its block runs here as written
+(test_readme skips it and checks that this module holds it), in a clone's layout as
+test_readme runs blocks, and makes three jobs on the bundled tasks with the scripted
+provider: the example document, a variant that differs only in a prompt and a variant
+without `write_file` (which the offline policy needs for two of the three tasks). A fourth
+is harbor's own `oracle` agent on the same tasks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from harbor.models.trial.result import TrialResult
+from test_readme import Block, all_blocks, blocks
+from typer.testing import CliRunner
 
 from wmo_trio import LocalProcessEnvironment, load_harness, open_episode_pool
+from wmo_trio.cli import app
 from wmo_trio.compare import CompareError, compare, compare_jobs, load_jobs, record_from_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,34 +34,71 @@ TASKS = ROOT / "examples" / "tasks"
 DOCS = {name: ROOT / "examples" / f"{name}.json"
         for name in ("harness", "harness-terse", "harness-no-write")}
 CLI = [sys.executable, "-c", "from wmo_trio.cli import main; main()"]
-HARBOR = ROOT / ".venv" / "bin" / "harbor"
-# The baseline runs each task twice, for its pass@2; a candidate compared with it once is
-# enough, as a task's score is the mean of its attempts and the offline policy ends every
-# attempt of a task alike.
+PAGE = ROOT / "docs" / "compare.md"
+# The page's example and the comparison rows it shows of its output.
+[EXAMPLE] = [b for b in blocks(PAGE) if b.lang == "sh" and "wmo-trio compare" in b.body]
+[SHOWN] = [b for b in all_blocks(PAGE) if b.lang == "" and b.body.startswith("┃ candidate")]
+# The example runs the baseline twice per task, for its pass@2; a candidate compared with
+# it once is enough, as a task's score is the mean of its attempts and the offline policy
+# ends every attempt of a task alike.
 ATTEMPTS = {"harness": 2, "harness-terse": 1, "harness-no-write": 1}
 
 
-def harbor_run(jobs: Path, name: str, *agent: str, attempts: int) -> Path:
-    completed = subprocess.run(
-        [str(HARBOR), "run", "-p", str(TASKS), "-o", str(jobs), "--job-name", name, "-y", "-q",
-         "-n", "2", "-k", str(attempts), *agent, "-e", "wmo_trio.harbor:LocalEnvironment"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
-    return jobs / name
+@dataclass(frozen=True)
+class Example:
+    clone: Path
+    completed: subprocess.CompletedProcess[str]
 
 
-def wmo_agent(doc: Path) -> list[str]:
-    return ["-a", "wmo_trio.harbor:WmoTrioHarborAgent", "-m", "scripted/offline",
-            "--skip-model-parsing-and-provider-mapping", "--ak", f"harness={doc}",
-            "--ak", 'provider_config={"kind": "scripted", "model": "offline"}']
+def run_as_written(block: Block, clone: Path) -> subprocess.CompletedProcess[str]:
+    """`block` run as test_readme runs a block: by bash, nothing of the project on PATH and
+    none of the test run's harbor or litellm settings, from a clone's layout."""
+    environment = {name: value for name, value in os.environ.items()
+                   if not name.startswith(("VIRTUAL_ENV", "LITELLM", "HARBOR_TELEMETRY"))
+                   and name.lower() != "no_proxy"}
+    environment.update(PATH=os.defpath, HARBOR_TELEMETRY="0")
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", block.body], cwd=clone,
+                          env=environment, capture_output=True, text=True, timeout=600,
+                          stdin=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    where = tmp_path_factory.mktemp("jobs")
-    made = {name: harbor_run(where, name, *wmo_agent(doc), attempts=ATTEMPTS[name])
-            for name, doc in DOCS.items()}
-    made["oracle"] = harbor_run(where, "oracle", "-a", "oracle", attempts=1)
+def example(tmp_path_factory: pytest.TempPathFactory) -> Example:
+    clone = tmp_path_factory.mktemp("clone")
+    for name in (".venv", "examples", "wmo_trio", "README.md", "docs"):
+        (clone / name).symlink_to(ROOT / name)
+    completed = run_as_written(EXAMPLE, clone)
+    assert completed.returncode == 0, (
+        f"{EXAMPLE.where} failed ({completed.returncode}):\n{EXAMPLE.body}\n"
+        f"--- stdout\n{completed.stdout[-3000:]}\n--- stderr\n{completed.stderr[-3000:]}")
+    # Offline: harbor's litellm, left to itself, retries the download of a price list.
+    assert "LiteLLM" not in completed.stdout + completed.stderr, completed.stderr[-3000:]
+    return Example(clone, completed)
+
+
+def oracle_job(jobs_dir: Path) -> Path:
+    """harbor's `oracle` agent on the bundled tasks, once each, by harbor's `Job` in this
+    process (harbor's command line is not what these tests are about)."""
+    from harbor.job import Job
+    from harbor.models.job.config import DatasetConfig, JobConfig
+    from harbor.models.trial.config import AgentConfig, EnvironmentConfig
+
+    config = JobConfig(
+        job_name="oracle", jobs_dir=jobs_dir, n_concurrent_trials=2, quiet=True,
+        agents=[AgentConfig(name="oracle")], datasets=[DatasetConfig(path=TASKS)],
+        environment=EnvironmentConfig(import_path="wmo_trio.harbor:LocalEnvironment"))
+
+    async def run() -> None:
+        await (await Job.create(config)).run()
+
+    asyncio.run(run())
+    return jobs_dir / "oracle"
+
+
+@pytest.fixture(scope="module")
+def jobs(example: Example) -> dict[str, Path]:
+    made = {name: example.clone / "jobs" / name for name in DOCS}
+    made["oracle"] = oracle_job(example.clone / "jobs")
     return made
 
 
@@ -89,10 +133,12 @@ def task_means(job: Path) -> dict[str, float]:
 
 def healthy(job: Path) -> bool:
     """Every trial ended as the offline policy makes it end: proof-of-work by harbor's agent
-    timeout, every other task submitted (a machine loaded far past its cores can fail a
-    trial otherwise, which the comparison must then report as it is)."""
-    return all((exception, stop) == (("AgentTimeoutError", "cancelled-by-harbor-timeout")
-                                     if task == "proof-of-work" else (None, "submitted"))
+    timeout, every other task by the policy itself, submitted or, without the tool it needs,
+    with no tool call (a machine loaded far past its cores can fail a trial otherwise, which
+    the comparison must then report as it is)."""
+    return all((exception, stop) == ("AgentTimeoutError", "cancelled-by-harbor-timeout")
+               if task == "proof-of-work" else
+               exception is None and stop in ("submitted", "no_tool_call")
                for task, _, exception, stop in raw_outcomes(job))
 
 
@@ -125,7 +171,7 @@ def test_real_jobs_are_compared_candidate_by_candidate_against_the_first(
             sum(differences.values()) / len(differences))
     # Without write_file the offline policy fails every task, however loaded the machine.
     assert report.candidates[2].mean_reward == 0.0
-    if all(healthy(jobs[name]) for name in names):  # the README's example, as it shows it
+    if all(healthy(jobs[name]) for name in names):  # the page's example, as it shows it
         prompt_only, tool_removed = report.comparisons
         base = report.candidates[0]
         assert (base.mean_reward, base.pass_at_k) == (pytest.approx(2 / 3),
@@ -139,6 +185,17 @@ def test_real_jobs_are_compared_candidate_by_candidate_against_the_first(
         assert tool_removed.mean_difference == pytest.approx(-2 / 3)
         assert tool_removed.p_value == pytest.approx(0.5)  # 2 of the 4 sign patterns
         assert tool_removed.ci_low == pytest.approx(-1.0)
+
+
+@pytest.mark.harbor
+def test_the_docs_example_prints_the_comparison_rows_it_shows(
+    example: Example, jobs: dict[str, Path],
+) -> None:
+    printed = example.completed.stdout.splitlines()
+    rows = SHOWN.body.splitlines()
+    assert len(rows) == 3 and rows[0] in printed  # the header, whatever the trials did
+    if all(healthy(jobs[name]) for name in DOCS):
+        assert [row for row in rows[1:] if row not in printed] == [], printed[-8:]
 
 
 @pytest.mark.harbor
@@ -205,16 +262,16 @@ def test_a_linked_trial_result_is_refused_not_followed(
 
 
 @pytest.mark.harbor
-def test_the_command_prints_tables_json_and_a_plot(jobs: dict[str, Path], tmp_path: Path) -> None:
-    plot = tmp_path / "compare.png"
-    shown = wmo_trio("compare", str(jobs["harness"]), str(jobs["harness-no-write"]),
-                     "--plot", str(plot))
-    assert shown.returncode == 0, shown.stderr
-    assert f"{doc_hash('harness-no-write')[:8]} harness-no-write" in shown.stdout
-    in_process = compare_jobs([jobs["harness"], jobs["harness-no-write"]])
-    (expected,) = in_process.comparisons
-    assert f"{expected.mean_difference:+.3f}" in shown.stdout
-    assert str(expected.p_method) in shown.stdout
+def test_the_command_prints_tables_json_and_a_plot(example: Example, jobs: dict[str, Path]) -> None:
+    # The tables and the plot: the docs example's `wmo-trio compare ... --plot compare.png`.
+    shown = example.completed.stdout
+    assert f"{doc_hash('harness-no-write')[:8]} harness-no-write" in shown
+    in_process = compare_jobs([jobs[name] for name in DOCS])
+    for expected in in_process.comparisons:
+        assert f"{expected.mean_difference:+.3f}" in shown
+        assert str(expected.p_method) in shown
+    assert "plot: compare.png" in shown
+    plot = example.clone / "compare.png"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
 
     as_json = wmo_trio("compare", str(jobs["harness"]), str(jobs["harness-no-write"]), "--json")
@@ -230,18 +287,21 @@ def test_the_command_prints_tables_json_and_a_plot(jobs: dict[str, Path], tmp_pa
             "p_value", "wins", "losses", "ties", "only_baseline", "only_candidate"} <= set(
         report["comparisons"][0])
     # Seeded: the same input gives the same bytes, here in another process than the command's.
-    assert as_json.stdout == in_process.model_dump_json(indent=2) + "\n"
+    assert as_json.stdout == compare_jobs(
+        [jobs["harness"], jobs["harness-no-write"]]).model_dump_json(indent=2) + "\n"
 
 
-@pytest.mark.slow  # subprocesses
 @pytest.mark.parametrize(("arguments", "fragment"), [
-    (["examples"], "not a harbor job directory (no config.json)"),
-    (["no-such-dir"], "not a harbor job directory"),
-    (["--plot", "out.svg", "examples"], "ending in .png"),
+    ([str(ROOT / "examples")], "not a harbor job directory (no config.json)"),
+    ([str(ROOT / "no-such-dir")], "not a harbor job directory"),
+    (["--plot", "out.svg", str(ROOT / "examples")], "ending in .png"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(arguments: list[str], fragment: str) -> None:
-    completed = wmo_trio("compare", *arguments)
-    assert completed.returncode == 2
+    # typer's runner, in this process: the command's own exit, and an uncaught exception
+    # would be caught here (exit code 1) where a process prints its traceback.
+    completed = CliRunner().invoke(app, ["compare", *arguments])
+    assert completed.exit_code == 2 and isinstance(completed.exception, SystemExit), (
+        completed.exception)
     assert fragment in completed.stderr and "Traceback" not in completed.stderr
     assert len(completed.stderr.strip().splitlines()) <= 2
 

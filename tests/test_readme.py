@@ -5,7 +5,8 @@ Blocks fenced as ```sh run as one bash script each, blocks fenced as ```python w
 project's interpreter, all in a scratch directory that holds what a fresh clone holds
 after `make demo` (the virtualenv and the example files, linked). A block that cannot run
 offline or in a test (it needs an API key, or is the setup command itself) is preceded by
-`<!-- readme-test: skip: <why> -->`, and the reason is required. Every other block (fenced
+`<!-- readme-test: skip: <why> -->`, and the reason is required; a block a test file runs
+itself says `run ... by tests/<file>`, and that file must hold it. Every other block (fenced
 with another language or none, or indented) is not run, so it may hold no command: a
 line that starts as one (`wmo-trio`, `harbor`, `.venv/bin/...`) fails the test, wherever it
 stands. The same holds for every `docs/*.md`.
@@ -86,6 +87,23 @@ def test_the_readme_has_blocks_to_run_and_says_why_it_skips_any() -> None:
     assert sum(block.skip is None for block in found) >= 4
     for block in found:
         assert block.skip is None or block.skip.strip(), f"{block.where}: skipped with no reason"
+
+
+# A skip's reason that names the test file which runs the block instead.
+_RUN_BY = re.compile(r"\brun\b.*\bby tests/(?P<module>test_\w+)\.py\b")
+
+
+def test_a_block_skipped_as_run_by_a_test_file_is_held_there() -> None:
+    """That file holds the block it runs (as parsed here) as a value of its module: renamed,
+    gone, or running another block, its skip would hide a block that nothing runs."""
+    import importlib
+
+    for block in (block for file in documents() for block in blocks(file)):
+        by = _RUN_BY.search(block.skip or "")
+        if by is not None:
+            held = vars(importlib.import_module(by["module"])).values()
+            assert block in held, (f"{block.where} is skipped as run by tests/{by['module']}.py, "
+                                   "which does not hold it: run it there, or here")
 
 
 @pytest.mark.parametrize("file", documents(), ids=lambda file: file.name)
