@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from harbor.models.trial.result import TrialResult
-from test_readme import Block, all_blocks, blocks
+from test_readme import all_blocks, blocks, make_clone, run_as_written
 from typer.testing import CliRunner
 
 from wmo_trio import LocalProcessEnvironment, load_harness, open_episode_pool
@@ -50,30 +50,10 @@ class Example:
     completed: subprocess.CompletedProcess[str]
 
 
-def run_as_written(block: Block, clone: Path) -> subprocess.CompletedProcess[str]:
-    """`block` run as test_readme runs a block: by bash, nothing of the project on PATH and
-    none of the test run's harbor or litellm settings, from a clone's layout."""
-    environment = {name: value for name, value in os.environ.items()
-                   if not name.startswith(("VIRTUAL_ENV", "LITELLM", "HARBOR_TELEMETRY"))
-                   and name.lower() != "no_proxy"}
-    environment.update(PATH=os.defpath, HARBOR_TELEMETRY="0")
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", block.body], cwd=clone,
-                          env=environment, capture_output=True, text=True, timeout=600,
-                          stdin=subprocess.DEVNULL)
-
-
 @pytest.fixture(scope="module")
 def example(tmp_path_factory: pytest.TempPathFactory) -> Example:
-    clone = tmp_path_factory.mktemp("clone")
-    for name in (".venv", "examples", "wmo_trio", "README.md", "docs"):
-        (clone / name).symlink_to(ROOT / name)
-    completed = run_as_written(EXAMPLE, clone)
-    assert completed.returncode == 0, (
-        f"{EXAMPLE.where} failed ({completed.returncode}):\n{EXAMPLE.body}\n"
-        f"--- stdout\n{completed.stdout[-3000:]}\n--- stderr\n{completed.stderr[-3000:]}")
-    # Offline: harbor's litellm, left to itself, retries the download of a price list.
-    assert "LiteLLM" not in completed.stdout + completed.stderr, completed.stderr[-3000:]
-    return Example(clone, completed)
+    clone = make_clone(tmp_path_factory.mktemp("clone"))
+    return Example(clone, run_as_written(EXAMPLE, clone))
 
 
 def oracle_job(jobs_dir: Path) -> Path:

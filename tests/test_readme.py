@@ -244,14 +244,17 @@ def test_the_docs_code_runtime_program_is_the_example_that_runs() -> None:
     assert any("--harness examples/code-runtime.json" in block.body for block in _TO_RUN)
 
 
-@pytest.fixture(scope="module")
-def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """What a user's working copy holds after `make demo`: the virtualenv and the files the
-    README's commands name."""
-    where = tmp_path_factory.mktemp("clone")
+def make_clone(where: Path) -> Path:
+    """What a user's working copy holds after `make demo`, made in `where`: the virtualenv
+    and the files the docs' commands name."""
     for name in (".venv", "examples", "wmo_trio", "README.md", "docs"):
         (where / name).symlink_to(ROOT / name)
     return where
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_clone(tmp_path_factory.mktemp("clone"))
 
 
 _TO_RUN = [block for file in documents() for block in blocks(file) if block.skip is None]
@@ -275,11 +278,19 @@ _TELEMETRY_ON = {first_block_running("harbor run"), first_block_running("wmo-tri
 @pytest.mark.parametrize("block", _TO_RUN,
                          ids=[f"{b.file.stem}-line-{b.line}" for b in _TO_RUN])
 def test_a_readme_block_runs_as_written(block: Block, clone: Path) -> None:
+    run_as_written(block, clone, telemetry=block in _TELEMETRY_ON)
+
+
+def run_as_written(block: Block, clone: Path, telemetry: bool = False,
+                   ) -> subprocess.CompletedProcess[str]:
+    """Run `block` from `clone` as a user would paste it, with nothing of the project on
+    PATH and none of the test run's harbor or litellm settings (harbor's telemetry off
+    unless `telemetry`); fail unless it exits 0 without litellm's cost-map warnings."""
     environment = {name: value for name, value in os.environ.items()
                    if not name.startswith(("VIRTUAL_ENV", "LITELLM", "HARBOR_TELEMETRY"))
                    and name.lower() != "no_proxy"}
     environment["PATH"] = os.defpath  # nothing of the project on PATH: the README says where
-    if block not in _TELEMETRY_ON:
+    if not telemetry:
         environment["HARBOR_TELEMETRY"] = "0"
     # The telemetry event, where it is on, goes to a closed port.
     environment["HTTPS_PROXY"] = environment["https_proxy"] = "http://127.0.0.1:9"
@@ -299,6 +310,7 @@ def test_a_readme_block_runs_as_written(block: Block, clone: Path) -> None:
         assert warning not in completed.stdout + completed.stderr, (
             f"{block.where}: litellm tried to download its cost map:\n"
             f"{completed.stderr[-3000:]}")
+    return completed
 
 
 _COST_MAP_WARNINGS = ("LiteLLM: model cost map fetch attempt",
