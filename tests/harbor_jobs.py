@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from wmo_trio.harbor._job import harbor_progress_hidden
-
 if TYPE_CHECKING:
     from harbor.models.job.config import JobConfig
 
@@ -33,6 +31,8 @@ def run_job_here(config: JobConfig) -> None:
     from harbor.agents.factory import AgentFactory
     from harbor.environments.factory import EnvironmentFactory
     from harbor.job import Job
+
+    from wmo_trio.harbor._job import harbor_progress_hidden
 
     async def run() -> None:
         job = await Job.create(config)
