@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -23,6 +20,7 @@ from typing import Any
 import pytest
 from doubles import Spy, make_doc
 from e2b_fake import FakeE2B
+from harbor_jobs import run_job_here
 from test_backend_contract import call, reply, run_on
 from test_code_runtime import AGENT, INSTRUCTION, code_doc, text_call
 
@@ -324,20 +322,22 @@ def test_build_runtime_chooses_the_runtime(monkeypatch: pytest.MonkeyPatch, back
 
 def harbor_job(fake: FakeE2B, jobs: Path, *, agent_kwargs: dict[str, Any],
                provider_config: dict[str, Any]) -> dict[str, Any]:
-    harbor = shutil.which("harbor", path=str(Path(sys.executable).parent)) or shutil.which("harbor")
-    assert harbor, "the harbor command line is not installed next to this python"
-    kwargs = {"harness": str(HARNESS), "provider_config": provider_config, **agent_kwargs}
-    argv = [harbor, "run", "-p", str(HELLO_TASK), "-a", "wmo_trio.harbor:WmoTrioHarborAgent",
-            "-m", f"{provider_config['kind']}/{provider_config['model']}", "-e", "e2b",
-            "-o", str(jobs), "--job-name", "job", "-y", "-q",
-            "--skip-model-parsing-and-provider-mapping"]  # as the README runs it: no litellm lookup
-    for key, value in kwargs.items():
-        argv += ["--ak", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
-    env = {k: v for k, v in os.environ.items() if k != "WMO_TRIO_HOST"}
-    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", **fake.environment())
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
-                          stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    """One trial of the agent on hello-file in harbor's own E2B environment, on the fake
+    (whose variables the `e2b` fixture has set): harbor's `Job` in this process, as `harbor
+    run -e e2b --skip-model-parsing-and-provider-mapping` runs it (tests/harbor_jobs.py);
+    its result, with the agent's trace under "trace"."""
+    from harbor.models.job.config import JobConfig
+    from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig
+
+    run_job_here(JobConfig(
+        job_name="job", jobs_dir=jobs, quiet=True,
+        agents=[AgentConfig(
+            import_path="wmo_trio.harbor:WmoTrioHarborAgent",
+            model_name=f"{provider_config['kind']}/{provider_config['model']}",
+            skip_model_parsing=True,  # as the README runs it: no litellm lookup
+            kwargs={"harness": str(HARNESS), "provider_config": provider_config, **agent_kwargs})],
+        environment=EnvironmentConfig(type="e2b"),
+        tasks=[TaskConfig(path=HELLO_TASK)]))
     (result_file,) = jobs.glob("job/*/result.json")
     result: dict[str, Any] = json.loads(result_file.read_text())
     result["trace"] = json.loads((result_file.parent / "agent" / "wmo-run.json").read_text())

@@ -1,8 +1,9 @@
 """`WmoTrioHarborAgent` in real harbor trials (CONTRACT sections 4 and 5).
 
-Every `harbor`-marked test runs harbor itself in a subprocess (its CLI, or a script that
-runs a `Job` under `asyncio.run`, as the CLI does, or under `trio.run`), on real task
-directories, in the docker-free
+Every `harbor`-marked test runs harbor itself: its CLI where the command line is part of
+what is checked (the README's job, a Ctrl-C), a script that runs a `Job` under `trio.run`
+or with a plugin agent, and otherwise harbor's `Job` in the pytest process under
+`asyncio.run`, as the CLI runs it; always on real task directories, in the docker-free
 `wmo_trio.harbor:LocalEnvironment`, with the scripted provider playing the model. The
 tests read what harbor wrote: each trial's `result.json` and the agent's `wmo-run.json` and
 `trajectory.json`. Nothing of harbor or wmo_trio is mocked; the few defects the episode
@@ -37,6 +38,7 @@ from typing import Any
 
 import pytest
 from harbor.models.trajectories import Trajectory
+from harbor_jobs import JOB_TIMEOUT_S, run_job_here
 
 from wmo_trio.harbor import AGENT_NAME, WmoTrioHarborAgent
 from wmo_trio.harness import load_harness
@@ -58,9 +60,6 @@ LOCAL_ENVIRONMENT = "wmo_trio.harbor:LocalEnvironment"
 OFFLINE = {"kind": "scripted", "model": "offline"}
 # harbor's flag for "wmo_trio serves this model, do not look it up in litellm" (README).
 SKIP_MODEL_LOOKUP = "--skip-model-parsing-and-provider-mapping"
-# How long any one harbor job may take before the test gives up on it (a hang, not a
-# slow machine: every job here takes seconds).
-JOB_TIMEOUT_S = 240
 
 
 # -- running harbor ---------------------------------------------------------------------
@@ -172,10 +171,14 @@ class HarborJob:
         assert self._process.returncode == 0, (
             f"harbor exited with {self._process.returncode}:\n{output[-4000:]}"
         )
-        trials = [TrialRecord(p.parent) for p in sorted(self.job_dir.glob("*/result.json"))]
-        assert trials, f"harbor wrote no trial results under {self.job_dir}:\n{output[-4000:]}"
-        self._trials = trials
-        return trials
+        self._trials = trial_records(self.job_dir, output)
+        return self._trials
+
+
+def trial_records(job_dir: Path, output: str = "") -> list[TrialRecord]:
+    trials = [TrialRecord(p.parent) for p in sorted(job_dir.glob("*/result.json"))]
+    assert trials, f"harbor wrote no trial results under {job_dir}:\n{output[-4000:]}"
+    return trials
 
 
 def harbor_run(
@@ -205,6 +208,32 @@ def harbor_run(
     for key, value in kwargs.items():
         argv += ["--ak", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
     return HarborJob(argv, jobs_dir / job_name, harbor_env(**(env or {})))
+
+
+def harbor_job_here(
+    jobs_dir: Path,
+    task: Path,
+    *,
+    provider_config: Mapping[str, Any] = OFFLINE,
+    agent_kwargs: Mapping[str, Any] | None = None,
+    attempts: int = 1,
+    concurrent: int = 4,
+) -> list[TrialRecord]:
+    """The job `harbor_run` starts, run by harbor's `Job` in this process (see
+    tests/harbor_jobs.py); its trials."""
+    from harbor.models.job.config import JobConfig
+    from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig
+
+    agent = AgentConfig(
+        import_path=AGENT, model_name=f"{provider_config['kind']}/{provider_config['model']}",
+        skip_model_parsing=True,  # what SKIP_MODEL_LOOKUP says on harbor's command line
+        kwargs={"harness": str(HARNESS), "provider_config": dict(provider_config),
+                **(agent_kwargs or {})})
+    run_job_here(JobConfig(
+        job_name="job", jobs_dir=jobs_dir, n_attempts=attempts, n_concurrent_trials=concurrent,
+        quiet=True, agents=[agent], environment=EnvironmentConfig(import_path=LOCAL_ENVIRONMENT),
+        tasks=[TaskConfig(path=task)]))
+    return trial_records(jobs_dir / "job")
 
 
 # -- tasks and scripts ------------------------------------------------------------------
@@ -357,7 +386,7 @@ from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfi
 
 from wmo_trio.harbor import run_job
 
-jobs_dir, harness, tasks = map(Path, sys.argv[1:4])
+jobs_dir, harness = map(Path, sys.argv[1:3])
 config = JobConfig(
     job_name="trio-owned",
     jobs_dir=jobs_dir,
@@ -371,7 +400,7 @@ config = JobConfig(
                 "provider_config": {"kind": "scripted", "model": "offline"}},
     )],
     environment=EnvironmentConfig(import_path="wmo_trio.harbor:LocalEnvironment"),
-    tasks=[TaskConfig(path=tasks / name) for name in sys.argv[4:]],
+    tasks=[TaskConfig(path=Path(task)) for task in sys.argv[3:]],
 )
 trio.run(run_job, config)
 """
@@ -383,8 +412,12 @@ def test_trio_owned_job_gives_the_same_rewards_as_the_harbor_cli(
 ) -> None:
     script = tmp_path / "trio_owned_job.py"
     script.write_text(TRIO_OWNED_JOB)
-    argv = [sys.executable, str(script), str(tmp_path / "jobs"), str(HARNESS), str(EXAMPLE_TASKS),
-            *EXPECTED_EXAMPLE_OUTCOMES]
+    # The proof-of-work trial times out all the same with a shorter agent timeout, and
+    # spends less of it searching on the CPU.
+    tasks = [EXAMPLE_TASKS / name for name in EXPECTED_EXAMPLE_OUTCOMES if name != "proof-of-work"]
+    tasks.append(make_task(tmp_path / "tasks", "proof-of-work", base="proof-of-work",
+                           agent_timeout_sec=0.5))
+    argv = [sys.executable, str(script), str(tmp_path / "jobs"), str(HARNESS), *map(str, tasks)]
     # An invalid WMO_TRIO_HOST makes the asyncio-owned host refuse to start, so these
     # rewards can only come from episodes run by the trio-asyncio host.
     job = HarborJob(argv, tmp_path / "jobs" / "trio-owned", harbor_env(WMO_TRIO_HOST="refuse"))
@@ -432,8 +465,8 @@ def timeout_job(tmp_path_factory: pytest.TempPathFactory) -> list[TrialRecord]:
             call("bash", command=f"{SLEEP}; echo late > /app/late.txt")], "usage": SCRIPTED_USAGE},
     ])
     # Several trials at once: the cancellation races below are only visible in some runs.
-    return harbor_run(root / "jobs", task, provider_config=provider, attempts=TIMEOUT_TRIALS,
-                      concurrent=TIMEOUT_TRIALS).trials()
+    return harbor_job_here(root / "jobs", task, provider_config=provider, attempts=TIMEOUT_TRIALS,
+                           concurrent=TIMEOUT_TRIALS)
 
 
 @pytest.mark.harbor
@@ -579,8 +612,8 @@ def observations_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
         {"tool_calls": [call("write_file", path="/app/greeting.txt", content="Hello from wmo_trio\n")]},
         {"tool_calls": [call("submit", answer="done")]},
     ])
-    [trial] = harbor_run(root / "jobs", EXAMPLE_TASKS / "hello-file", provider_config=provider,
-                         agent_kwargs={"command_timeout_sec": 1}).trials()
+    [trial] = harbor_job_here(root / "jobs", EXAMPLE_TASKS / "hello-file", provider_config=provider,
+                              agent_kwargs={"command_timeout_sec": 1})
     steps = tool_steps(trial.trace)[:len(OBSERVED_CALLS)]
     assert [s.action.name for s in steps] == [c["name"] for c in OBSERVED_CALLS.values()]
     observations = {name: step.observation
@@ -1009,8 +1042,9 @@ CALLS_PER_EPISODE = 3  # the offline policy's hello-file episode: write, read ba
 @pytest.fixture(scope="module")
 def concurrent_job(tmp_path_factory: pytest.TempPathFactory) -> list[TrialRecord]:
     jobs = tmp_path_factory.mktemp("concurrent")
-    return harbor_run(jobs, EXAMPLE_TASKS / "hello-file", provider_config={**OFFLINE, "latency_s": LATENCY_S},
-                      attempts=CONCURRENT_TRIALS, concurrent=CONCURRENT_TRIALS).trials()
+    return harbor_job_here(jobs, EXAMPLE_TASKS / "hello-file",
+                           provider_config={**OFFLINE, "latency_s": LATENCY_S},
+                           attempts=CONCURRENT_TRIALS, concurrent=CONCURRENT_TRIALS)
 
 
 @pytest.mark.harbor
@@ -1102,7 +1136,7 @@ def round_trip_job(tmp_path_factory: pytest.TempPathFactory) -> list[TrialRecord
         {"tool_calls": [call("read_file", path=path) for path in READ_BACK]},
         {"tool_calls": [call("submit", answer="done")]},
     ])
-    return harbor_run(root / "jobs", task, provider_config=provider).trials()
+    return harbor_job_here(root / "jobs", task, provider_config=provider)
 
 
 @pytest.mark.harbor

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
 from harbor.models.trial.paths import EnvironmentPaths, TrialPaths
+from harbor_jobs import run_job_here
 
 from wmo_trio.harbor import LocalEnvironment
 from wmo_trio.sandbox._namespace import wait_for_removals
@@ -206,99 +207,118 @@ def run(coroutine: Callable[[], Coroutine[Any, Any, None]]) -> None:
 # ---------------------------------------------------------------------- harbor CLI
 
 
+def slow_task(path: Path, seconds: int) -> Path:
+    """A copy of hello-file whose solution leaves `sleep <seconds>` processes (one of them
+    in a session of its own) running past the agent's short timeout."""
+    shutil.copytree(TASKS / "hello-file", path)
+    (path / "solution" / "solve.sh").write_text(
+        f"#!/bin/sh\nsleep {seconds} &\nsetsid sleep {seconds} &\nsleep {seconds}\n"
+    )
+    config = (path / "task.toml").read_text()
+    (path / "task.toml").write_text(
+        config.replace("[agent]\ntimeout_sec = 60.0", "[agent]\ntimeout_sec = 2.0")
+    )
+    return path
+
+
 @pytest.fixture(scope="module")
-def oracle_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One oracle job over every example task, with the host paths it must not touch
-    recorded before and after."""
-    jobs_dir = tmp_path_factory.mktemp("oracle-jobs")
-    state_dir = tmp_path_factory.mktemp("oracle-state")
+def example_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One job of harbor's oracle and nop agents over every example task and a slow task
+    (`slow_task`), with the host paths it must not touch recorded before and after; each
+    test reads the trials of the agent and tasks it is about."""
+    root = tmp_path_factory.mktemp("example-job")
+    state_dir = root / "state"
+    seconds = unique_seconds()
+    slow = slow_task(root / "slow-task", seconds)
+    # Two agents, and a task beside the dataset: a job file, as harbor's -c takes one.
+    config = root / "job.json"
+    config.write_text(json.dumps({"agents": [{"name": "oracle"}, {"name": "nop"}],
+                                  "datasets": [{"path": str(TASKS)}],
+                                  "tasks": [{"path": str(slow)}]}))
     before = snapshot()
-    completed = run_harbor(jobs_dir, "-p", str(TASKS), "-a", "oracle", "-n", "3",
+    completed = run_harbor(root / "jobs", "-c", str(config), "-n", "8",
                            "--ek", f"state_dir={state_dir}")
-    return {
-        "completed": completed,
-        "results": trial_results(jobs_dir),
-        "before": before,
-        "after": snapshot(),
-        "state_dir": state_dir,
-    }
+    after = snapshot()
+    results = trial_results(root / "jobs")
+    by_agent: dict[str, dict[str, dict[str, Any]]] = {"oracle": {}, "nop": {}}
+    for result in results.values():
+        by_agent[result["agent_info"]["name"]][result["task_name"]] = result
+    return {"completed": completed, "results": results, "by_agent": by_agent,
+            "before": before, "after": after, "state_dir": state_dir, "seconds": seconds}
+
+
+EXAMPLE_TASK_NAMES = ["calc-package", "hello-file", "proof-of-work"]
 
 
 @pytest.mark.harbor
-def test_oracle_solves_every_example_task(oracle_job: dict[str, Any]) -> None:
-    results = oracle_job["results"]
-    assert oracle_job["completed"].returncode == 0, oracle_job["completed"].stderr
-    assert sorted(r["task_name"] for r in results.values()) == [
-        "calc-package", "hello-file", "proof-of-work"
-    ]
-    for name, result in results.items():
-        assert result["exception_info"] is None, name
-        assert reward(result) == 1.0, name
+def test_oracle_solves_every_example_task(example_job: dict[str, Any]) -> None:
+    assert example_job["completed"].returncode == 0, example_job["completed"].stderr
+    oracle = example_job["by_agent"]["oracle"]
+    assert sorted(oracle) == sorted([*EXAMPLE_TASK_NAMES, "slow-task"])
+    for name in EXAMPLE_TASK_NAMES:
+        assert oracle[name]["exception_info"] is None, name
+        assert reward(oracle[name]) == 1.0, name
 
 
 @pytest.mark.harbor
-def test_a_job_leaves_host_app_logs_and_tests_untouched(oracle_job: dict[str, Any]) -> None:
-    assert len(oracle_job["results"]) == 3
-    assert oracle_job["after"] == oracle_job["before"]
+def test_a_job_leaves_host_app_logs_and_tests_untouched(example_job: dict[str, Any]) -> None:
+    assert len(example_job["results"]) == 8
+    assert example_job["after"] == example_job["before"]
 
 
 @pytest.mark.harbor
-def test_a_job_leaves_no_state_directory_or_mount(oracle_job: dict[str, Any]) -> None:
-    state_dir: Path = oracle_job["state_dir"]
-    assert len(oracle_job["results"]) == 3
+def test_a_job_leaves_no_state_directory_or_mount(example_job: dict[str, Any]) -> None:
+    state_dir: Path = example_job["state_dir"]
+    assert len(example_job["results"]) == 8
     assert list(state_dir.iterdir()) == []
     assert mounts_mentioning(str(state_dir)) == []
 
 
 @pytest.mark.harbor
-def test_nop_agent_fails_every_example_task(tmp_path: Path) -> None:
-    completed = run_harbor(tmp_path / "jobs", "-p", str(TASKS), "-a", "nop", "-n", "3")
-    results = trial_results(tmp_path / "jobs")
-    assert completed.returncode == 0, completed.stderr
-    assert len(results) == 3
-    for name, result in results.items():
+def test_nop_agent_fails_every_example_task(example_job: dict[str, Any]) -> None:
+    assert example_job["completed"].returncode == 0, example_job["completed"].stderr
+    nop = example_job["by_agent"]["nop"]
+    assert sorted(nop) == sorted([*EXAMPLE_TASK_NAMES, "slow-task"])
+    for name, result in nop.items():
         assert result["exception_info"] is None, name
         assert reward(result) == 0.0, name
 
 
 @pytest.mark.harbor
 def test_sixteen_concurrent_trials_all_pass(tmp_path: Path) -> None:
+    # harbor's Job in this process, as `harbor run -a oracle -k 16 -n 16` runs it: what
+    # is checked is the trials, not the command line (tests/harbor_jobs.py)
+    from harbor.models.job.config import JobConfig
+    from harbor.models.trial.config import AgentConfig, TaskConfig
+    from harbor.models.trial.config import EnvironmentConfig as JobEnvironmentConfig
+
     state_dir = tmp_path / "state"
-    completed = run_harbor(tmp_path / "jobs", "-p", str(TASKS / "hello-file"), "-a", "oracle",
-                           "-k", "16", "-n", "16", "--ek", f"state_dir={state_dir}")
+    run_job_here(JobConfig(
+        job_name="job", jobs_dir=tmp_path / "jobs", n_attempts=16, n_concurrent_trials=16,
+        quiet=True, agents=[AgentConfig(name="oracle")],
+        environment=JobEnvironmentConfig(import_path="wmo_trio.harbor:LocalEnvironment",
+                                         kwargs={"state_dir": str(state_dir)}),
+        tasks=[TaskConfig(path=TASKS / "hello-file")]))
     results = trial_results(tmp_path / "jobs")
-    assert completed.returncode == 0, completed.stderr
     assert len(results) == 16
     assert [reward(r) for r in results.values()] == [1.0] * 16
+    wait_for_removals()
     assert list(state_dir.iterdir()) == []
 
 
 @pytest.mark.harbor
-def test_agent_timeout_kills_the_agent_command_and_leaves_nothing(tmp_path: Path) -> None:
-    task = tmp_path / "slow-task"
-    shutil.copytree(TASKS / "hello-file", task)
-    seconds = unique_seconds()
-    (task / "solution" / "solve.sh").write_text(
-        f"#!/bin/sh\nsleep {seconds} &\nsetsid sleep {seconds} &\nsleep {seconds}\n"
-    )
-    config = (task / "task.toml").read_text()
-    (task / "task.toml").write_text(
-        config.replace("[agent]\ntimeout_sec = 60.0", "[agent]\ntimeout_sec = 2.0")
-    )
-    state_dir = tmp_path / "state"
-    before = snapshot()
-
-    completed = run_harbor(tmp_path / "jobs", "-p", str(task), "-a", "oracle",
-                           "--ek", f"state_dir={state_dir}")
-
-    [result] = trial_results(tmp_path / "jobs").values()
-    assert completed.returncode == 0, completed.stderr
+def test_agent_timeout_kills_the_agent_command_and_leaves_nothing(
+    example_job: dict[str, Any],
+) -> None:
+    result = example_job["by_agent"]["oracle"]["slow-task"]
+    assert example_job["completed"].returncode == 0, example_job["completed"].stderr
     assert result["exception_info"]["exception_type"] == "AgentTimeoutError"
     assert reward(result) == 0.0  # the verifier still ran
-    assert sleepers(seconds) == []
+    assert sleepers(example_job["seconds"]) == []
+    state_dir: Path = example_job["state_dir"]
     assert list(state_dir.iterdir()) == []
     assert mounts_mentioning(str(state_dir)) == []
-    assert snapshot() == before
+    assert example_job["after"] == example_job["before"]
 
 
 @pytest.mark.harbor
