@@ -10,7 +10,6 @@ is harbor's own `oracle` agent on the same tasks.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from harbor.models.trial.result import TrialResult
+from harbor_jobs import run_job_here
 from test_readme import all_blocks, blocks, make_clone, run_as_written
 from typer.testing import CliRunner
 
@@ -59,19 +59,13 @@ def example(tmp_path_factory: pytest.TempPathFactory) -> Example:
 def oracle_job(jobs_dir: Path) -> Path:
     """harbor's `oracle` agent on the bundled tasks, once each, by harbor's `Job` in this
     process (harbor's command line is not what these tests are about)."""
-    from harbor.job import Job
     from harbor.models.job.config import DatasetConfig, JobConfig
     from harbor.models.trial.config import AgentConfig, EnvironmentConfig
 
-    config = JobConfig(
+    run_job_here(JobConfig(
         job_name="oracle", jobs_dir=jobs_dir, n_concurrent_trials=2, quiet=True,
         agents=[AgentConfig(name="oracle")], datasets=[DatasetConfig(path=TASKS)],
-        environment=EnvironmentConfig(import_path="wmo_trio.harbor:LocalEnvironment"))
-
-    async def run() -> None:
-        await (await Job.create(config)).run()
-
-    asyncio.run(run())
+        environment=EnvironmentConfig(import_path="wmo_trio.harbor:LocalEnvironment")))
     return jobs_dir / "oracle"
 
 
