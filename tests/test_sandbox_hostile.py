@@ -129,9 +129,11 @@ def test_proc_sys_hostname_cgroups_and_disks_stay_out_of_reach(tmp_path: Path) -
     assert sorted(os.listdir("/sys/fs/cgroup")) == cgroups
 
 
-# Many times what a stream keeps: output held whole would grow memory far past the bound
-# the test allows, and past the cap the size changes nothing but the time it takes.
-FLOOD = "head -c 256000000 /dev/zero | tr '\\0' a"
+# Sixteen times what a stream keeps and twice the growth of memory the test allows: output
+# held whole would grow memory past that bound, a log without its cap would be many times
+# its size, and past that the size changes nothing but the time it takes.
+FLOOD_BYTES = 64_000_000
+FLOOD = f"head -c {FLOOD_BYTES} /dev/zero | tr '\\0' a"
 FLOODS = {
     # scenario: (what the Dockerfile adds, the command run in the trial, the log it fills)
     "exec-stdout": ("", FLOOD, None),
@@ -219,7 +221,7 @@ def test_a_flood_of_output_is_cut_while_it_streams(
     if command is not None:
         stream = "stderr" if scenario == "exec-stderr" else "stdout"
         assert result[stream] <= (4 << 20) + 200
-        assert f"{stream} was 256,000,000 bytes" in result["note"]
+        assert f"{stream} was {FLOOD_BYTES:,} bytes" in result["note"]
         assert "not kept" in result["note"]
     else:
         assert 0 < result["logs"][log] < 9 << 20  # at most 4 MiB a stream, and its notes
