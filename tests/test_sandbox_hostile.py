@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sandbox_jobs import run_oracle_job
 from test_local_environment import (
     HARBOR,
     HARBOR_ENV,
@@ -29,7 +30,6 @@ from test_local_environment import (
     pytestmark,
     reward,
     run,
-    run_harbor,
     running,
     sleepers,
     trial_processes,
@@ -266,11 +266,8 @@ def test_sigkill_of_harbor_leaves_nothing_once_the_next_job_ran(tmp_path: Path) 
         time.sleep(0.05)
     assert sleepers(seconds) == sleepers(build_seconds) == []
 
-    completed = run_harbor(tmp_path / "next", "-p", str(TASKS / "hello-file"), "-a", "oracle",
-                           "--ek", f"state_dir={state_dir}", "--ek", f"cache_dir={cache_dir}")
-
-    assert completed.returncode == 0, completed.stderr
-    [result] = trial_results(tmp_path / "next").values()
+    [result] = run_oracle_job(tmp_path / "next", TASKS / "hello-file", state_dir=str(state_dir),
+                              cache_dir=str(cache_dir)).values()
     assert reward(result) == 1.0
     assert list(state_dir.iterdir()) == []
     assert list((cache_dir / "builds").iterdir()) == []
@@ -370,9 +367,8 @@ def job_from_opt(opt_jobs: dict[str, Path]) -> dict[str, Any]:
     another, all in a system directory."""
     home = opt_jobs["opt"] / "from-opt"
     shutil.copytree(TASKS / "hello-file", home / "tasks" / "hello-file")
-    completed = run_harbor(home / "jobs", "-p", str(home / "tasks"), "-a", "oracle",
-                           "--ek", f"cache_dir={opt_jobs['cache']}", cwd=home)
-    return {"completed": completed, "results": trial_results(home / "jobs")}
+    return {"results": run_oracle_job(home / "jobs", home / "tasks", cwd=home,
+                                      cache_dir=str(opt_jobs["cache"]))}
 
 
 @pytest.fixture(scope="module")
@@ -396,17 +392,15 @@ def dataset_under_opt(opt_jobs: dict[str, Path], job_from_opt: dict[str, Any]) -
         "#!/bin/sh\nmkdir -p /logs/verifier\n"
         "if [ -s /app/seen ]; then cat /app/seen; echo 0; else echo 1; fi"
         " > /logs/verifier/reward.txt\n")
-    completed = run_harbor(jobs, "-p", str(dataset), "-a", "oracle", "-n", "2",
-                           "--ek", f"cache_dir={opt_jobs['cache']}")
-    return {"completed": completed, "results": _by_task(jobs), "jobs": jobs}
+    run_oracle_job(jobs, dataset, concurrency=2, cache_dir=str(opt_jobs["cache"]))
+    return {"results": _by_task(jobs), "jobs": jobs}
 
 
 def test_no_other_task_or_job_is_readable_when_they_live_under_opt(
     dataset_under_opt: dict[str, Any]
 ) -> None:
     """The attacker's trial must find none of what it probes."""
-    completed, results = dataset_under_opt["completed"], dataset_under_opt["results"]
-    assert completed.returncode == 0, completed.stderr
+    results = dataset_under_opt["results"]
     assert sorted(results) == ["attacker", "victim"]
     for name, result in results.items():
         assert result["exception_info"] is None, (name, result["exception_info"])
@@ -419,8 +413,6 @@ def test_no_other_task_or_job_is_readable_when_they_live_under_opt(
 def test_a_job_run_from_opt_with_its_tasks_and_jobs_inside_passes(
     job_from_opt: dict[str, Any]
 ) -> None:
-    completed = job_from_opt["completed"]
-    assert completed.returncode == 0, completed.stderr
     [result] = job_from_opt["results"].values()
     assert result["exception_info"] is None, result["exception_info"]
     assert reward(result) == 1.0
@@ -430,7 +422,6 @@ def test_jobs_under_opt_reuse_the_image_the_first_one_built(
     opt_jobs: dict[str, Path], job_from_opt: dict[str, Any], dataset_under_opt: dict[str, Any]
 ) -> None:
     for job in (job_from_opt, dataset_under_opt):
-        assert job["completed"].returncode == 0, job["completed"].stderr
         assert {reward(r) for r in job["results"].values()} == {1.0}
 
     assert len(ImageCache(opt_jobs["cache"]).entries()) == 1
