@@ -35,7 +35,7 @@ def _working_directory(path: Path | None) -> Iterator[None]:
 
 
 def run_oracle_job(jobs_dir: Path, path: Path, *, concurrency: int = 1, attempts: int = 1,
-                   cwd: Path | None = None, **environment: str) -> dict[str, dict[str, Any]]:
+                   cwd: Path | None = None, **environment: Any) -> dict[str, dict[str, Any]]:
     """Run the job ``jobs_dir/job`` over ``path`` (one task, or a directory of tasks as a
     dataset) from ``cwd``, with ``environment`` as the environment's kwargs (``--ek``);
     each trial's result.json by trial name. Whatever harbor raises, the CLI's failure,
