@@ -4,7 +4,7 @@ the task's ENTRYPOINT services do.
 Harbor tells an environment nothing when an agent phase ends: the docker-free
 environment takes harbor's first read of the agent's logs as that end. The first test
 holds harbor's real ``Trial`` to the order that relies on; the others are hostile tasks
-run through harbor's CLI with the ``oracle`` agent, whose ``solve.sh`` plays the agent.
+run in harbor's own job with the ``oracle`` agent, whose ``solve.sh`` plays the agent.
 """
 
 from __future__ import annotations
@@ -18,16 +18,15 @@ from typing import Any, ClassVar
 import pytest
 from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig, TrialConfig
 from harbor.trial.trial import Trial
+from sandbox_jobs import run_oracle_job
 from test_local_environment import (
     TASKS,
     make_environment,
     pytestmark,
     reward,
     run,
-    run_harbor,
     running,
     sleepers,
-    trial_results,
     unique_seconds,
     until_sleeping,
 )
@@ -171,18 +170,17 @@ def leftovers_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for ending, port in ENDINGS.items():
         _hostile_task(tmp_path / "tasks", seconds[ending], port,
                       times_out=ending == "timed-out")
-    completed = run_harbor(tmp_path / "jobs", "-p", str(tmp_path / "tasks"), "-a", "oracle",
-                           "-n", "2", "--ek", f"state_dir={tmp_path / 'state'}")
-    return {"completed": completed, "jobs": tmp_path / "jobs", "seconds": seconds}
+    results = run_oracle_job(tmp_path / "jobs", tmp_path / "tasks", concurrency=2,
+                             state_dir=str(tmp_path / "state"))
+    return {"results": results, "jobs": tmp_path / "jobs", "seconds": seconds}
 
 
 @pytest.mark.harbor
 @pytest.mark.parametrize("ending", sorted(ENDINGS))
 def test_processes_the_agent_detached_are_gone_before_the_verifier_and_services_stay(
         leftovers_job: dict[str, Any], ending: str) -> None:
-    completed, jobs = leftovers_job["completed"], leftovers_job["jobs"]
-    assert completed.returncode == 0, completed.stderr
-    [(name, result)] = [(name, result) for name, result in trial_results(jobs).items()
+    jobs = leftovers_job["jobs"]
+    [(name, result)] = [(name, result) for name, result in leftovers_job["results"].items()
                         if result["task_name"] == f"leftovers-{ending}"]
     verifier = jobs / "job" / name / "verifier"
     if ending == "timed-out":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import textwrap
 from pathlib import Path
@@ -27,6 +28,7 @@ from wmo_trio.sandbox import BuildError, DockerfileError, _image
 from wmo_trio.sandbox._dockerfile import build_plan, parse
 from wmo_trio.sandbox._environment import AUTO_MOUNTING_REFUSED
 from wmo_trio.sandbox._image import stand_in_notice
+from wmo_trio.sandbox._rootfs import MAN_DB_AUTO_UPDATE
 
 __all__ = ["pytestmark"]
 
@@ -223,6 +225,14 @@ def test_copy_from_a_later_stage_is_refused() -> None:
     with pytest.raises(DockerfileError, match="must name a stage defined before"):
         build_plan(parse("FROM debian AS first\nCOPY --from=1 /x /x\nFROM debian\n"
                          "COPY --from=first /x /x\n"), {})
+
+
+@pytest.mark.skipif(not os.path.lexists(MAN_DB_AUTO_UPDATE), reason="the host has no man-db")
+def test_an_installed_package_leaves_no_manual_page_index_to_rebuild(tmp_path: Path) -> None:
+    """As in the images the host stands in for, which have no man-db: its trigger on the
+    host's would rebuild the index after each package a build or trial installs."""
+    assert outputs_in(tmp_path, "FROM debian:bookworm-slim\n",
+                      f"test -e {MAN_DB_AUTO_UPDATE} || echo absent") == ["absent\n"]
 
 
 # ---------------------------------------------------------------------- what the host lacks

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sandbox_jobs import run_oracle_job
 from test_local_environment import (
     HARBOR,
     HARBOR_ENV,
@@ -29,7 +30,6 @@ from test_local_environment import (
     pytestmark,
     reward,
     run,
-    run_harbor,
     running,
     sleepers,
     trial_processes,
@@ -129,9 +129,11 @@ def test_proc_sys_hostname_cgroups_and_disks_stay_out_of_reach(tmp_path: Path) -
     assert sorted(os.listdir("/sys/fs/cgroup")) == cgroups
 
 
-# Many times what a stream keeps: output held whole would grow memory far past the bound
-# the test allows, and past the cap the size changes nothing but the time it takes.
-FLOOD = "head -c 256000000 /dev/zero | tr '\\0' a"
+# Sixteen times what a stream keeps and twice the growth of memory the test allows: output
+# held whole would grow memory past that bound, a log without its cap would be many times
+# its size, and past that the size changes nothing but the time it takes.
+FLOOD_BYTES = 64_000_000
+FLOOD = f"head -c {FLOOD_BYTES} /dev/zero | tr '\\0' a"
 FLOODS = {
     # scenario: (what the Dockerfile adds, the command run in the trial, the log it fills)
     "exec-stdout": ("", FLOOD, None),
@@ -219,7 +221,7 @@ def test_a_flood_of_output_is_cut_while_it_streams(
     if command is not None:
         stream = "stderr" if scenario == "exec-stderr" else "stdout"
         assert result[stream] <= (4 << 20) + 200
-        assert f"{stream} was 256,000,000 bytes" in result["note"]
+        assert f"{stream} was {FLOOD_BYTES:,} bytes" in result["note"]
         assert "not kept" in result["note"]
     else:
         assert 0 < result["logs"][log] < 9 << 20  # at most 4 MiB a stream, and its notes
@@ -264,11 +266,8 @@ def test_sigkill_of_harbor_leaves_nothing_once_the_next_job_ran(tmp_path: Path) 
         time.sleep(0.05)
     assert sleepers(seconds) == sleepers(build_seconds) == []
 
-    completed = run_harbor(tmp_path / "next", "-p", str(TASKS / "hello-file"), "-a", "oracle",
-                           "--ek", f"state_dir={state_dir}", "--ek", f"cache_dir={cache_dir}")
-
-    assert completed.returncode == 0, completed.stderr
-    [result] = trial_results(tmp_path / "next").values()
+    [result] = run_oracle_job(tmp_path / "next", TASKS / "hello-file", state_dir=str(state_dir),
+                              cache_dir=str(cache_dir)).values()
     assert reward(result) == 1.0
     assert list(state_dir.iterdir()) == []
     assert list((cache_dir / "builds").iterdir()) == []
@@ -368,9 +367,8 @@ def job_from_opt(opt_jobs: dict[str, Path]) -> dict[str, Any]:
     another, all in a system directory."""
     home = opt_jobs["opt"] / "from-opt"
     shutil.copytree(TASKS / "hello-file", home / "tasks" / "hello-file")
-    completed = run_harbor(home / "jobs", "-p", str(home / "tasks"), "-a", "oracle",
-                           "--ek", f"cache_dir={opt_jobs['cache']}", cwd=home)
-    return {"completed": completed, "results": trial_results(home / "jobs")}
+    return {"results": run_oracle_job(home / "jobs", home / "tasks", cwd=home,
+                                      cache_dir=str(opt_jobs["cache"]))}
 
 
 @pytest.fixture(scope="module")
@@ -394,17 +392,15 @@ def dataset_under_opt(opt_jobs: dict[str, Path], job_from_opt: dict[str, Any]) -
         "#!/bin/sh\nmkdir -p /logs/verifier\n"
         "if [ -s /app/seen ]; then cat /app/seen; echo 0; else echo 1; fi"
         " > /logs/verifier/reward.txt\n")
-    completed = run_harbor(jobs, "-p", str(dataset), "-a", "oracle", "-n", "2",
-                           "--ek", f"cache_dir={opt_jobs['cache']}")
-    return {"completed": completed, "results": _by_task(jobs), "jobs": jobs}
+    run_oracle_job(jobs, dataset, concurrency=2, cache_dir=str(opt_jobs["cache"]))
+    return {"results": _by_task(jobs), "jobs": jobs}
 
 
 def test_no_other_task_or_job_is_readable_when_they_live_under_opt(
     dataset_under_opt: dict[str, Any]
 ) -> None:
     """The attacker's trial must find none of what it probes."""
-    completed, results = dataset_under_opt["completed"], dataset_under_opt["results"]
-    assert completed.returncode == 0, completed.stderr
+    results = dataset_under_opt["results"]
     assert sorted(results) == ["attacker", "victim"]
     for name, result in results.items():
         assert result["exception_info"] is None, (name, result["exception_info"])
@@ -417,8 +413,6 @@ def test_no_other_task_or_job_is_readable_when_they_live_under_opt(
 def test_a_job_run_from_opt_with_its_tasks_and_jobs_inside_passes(
     job_from_opt: dict[str, Any]
 ) -> None:
-    completed = job_from_opt["completed"]
-    assert completed.returncode == 0, completed.stderr
     [result] = job_from_opt["results"].values()
     assert result["exception_info"] is None, result["exception_info"]
     assert reward(result) == 1.0
@@ -428,7 +422,6 @@ def test_jobs_under_opt_reuse_the_image_the_first_one_built(
     opt_jobs: dict[str, Path], job_from_opt: dict[str, Any], dataset_under_opt: dict[str, Any]
 ) -> None:
     for job in (job_from_opt, dataset_under_opt):
-        assert job["completed"].returncode == 0, job["completed"].stderr
         assert {reward(r) for r in job["results"].values()} == {1.0}
 
     assert len(ImageCache(opt_jobs["cache"]).entries()) == 1

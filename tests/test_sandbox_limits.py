@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 from harbor.models.task.config import EnvironmentConfig
+from sandbox_jobs import run_oracle_job
 from test_local_environment import (
     TASKS,
     WAIT_BOUND_SEC,
     make_environment,
     reward,
     run,
-    run_harbor,
     running,
     trial_results,
     unique_seconds,
@@ -242,7 +242,7 @@ class TestTrialLimits:
 
 @pytest.fixture(scope="module")
 def limits_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One harbor job for the limits harbor's CLI passes: two tasks differing only in
+    """One harbor job for the limits harbor passes: two tasks differing only in
     ``memory_mb``, and one whose solution forks past ``pids_limit``. Each test reads its
     own trials; the pids ceiling is far above what the memory tasks start, and the
     fork-bomb task asks for no memory ceiling."""
@@ -265,11 +265,9 @@ def limits_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "cp /app/forks /logs/verifier/forks\n"
         'if [ "$refused" -gt 0 ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n')
 
-    completed = run_harbor(tmp_path / "jobs", "-p", str(tasks), "-a", "oracle", "-n", "3",
-                           "--ek", "pids_limit=64")
+    results = run_oracle_job(tmp_path / "jobs", tasks, concurrency=3, pids_limit=64)
 
-    assert completed.returncode == 0, completed.stderr
-    assert sorted(result["task_name"] for result in trial_results(tmp_path / "jobs").values()
+    assert sorted(result["task_name"] for result in results.values()
                   ) == ["fork-bomb", "hello-512", "hello-64"]
     return tmp_path / "jobs"
 
@@ -280,7 +278,7 @@ def limits_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.skipif(not HOST.offers("memory"),
                     reason=f"this machine's cgroups cannot hold limits: {HOST.reason}")
 def test_harbor_trials_get_their_tasks_memory_mb(limits_job: Path) -> None:
-    # Through harbor's CLI: the same task and solution, whose solution needs 128 MiB on
+    # Through harbor's job: the same task and solution, whose solution needs 128 MiB on
     # its way, passes with memory_mb 512 and fails with memory_mb 64.
     rewards = {name.split("__")[0]: reward(result)
                for name, result in trial_results(limits_job).items()

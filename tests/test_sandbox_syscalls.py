@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sandbox_jobs import run_oracle_job
 from test_local_environment import (
     REPO,
     TASKS,
@@ -24,7 +25,6 @@ from test_local_environment import (
     run,
     run_harbor,
     running,
-    trial_results,
 )
 from test_local_environment import pytestmark as sandbox_marks
 
@@ -203,7 +203,7 @@ HOSTILE_TEST = textwrap.dedent("""\
 def test_a_hostile_task_meets_the_same_refusals_in_its_build_and_its_trial(
     tmp_path: Path, trial_key: str
 ) -> None:
-    """Through harbor's CLI: a Dockerfile `RUN` step and the oracle's solve.sh run the
+    """In harbor's own job: a Dockerfile `RUN` step and the oracle's solve.sh run the
     probes; the verifier scores 1 only if each was refused (or ran) as under Docker."""
     task = tmp_path / "tasks" / "hostile-kernel"
     shutil.copytree(TASKS / "hello-file", task)
@@ -217,11 +217,7 @@ def test_a_hostile_task_meets_the_same_refusals_in_its_build_and_its_trial(
     expected = json.dumps(_expected(*REFUSED, *ORDINARY))
     (task / "tests" / "test.sh").write_text(HOSTILE_TEST.format(expected=expected))
 
-    completed = run_harbor(tmp_path / "jobs", "-p", str(task), "-a", "oracle",
-                           "--ek", f"cache_dir={tmp_path / 'cache'}")
-
-    assert completed.returncode == 0, completed.stderr
-    [result] = trial_results(tmp_path / "jobs").values()
+    [result] = run_oracle_job(tmp_path / "jobs", task, cache_dir=str(tmp_path / "cache")).values()
     assert result["exception_info"] is None, result["exception_info"]
     assert reward(result) == 1.0
     assert not _in_user_keyring(trial_key)

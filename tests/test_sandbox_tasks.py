@@ -1,5 +1,5 @@
 """The sandbox builds and runs real harbor tasks: the ones under tests/tasks, each modelled
-on a public task, through harbor's own CLI with its oracle agent, from an empty cache."""
+on a public task, in harbor's own job with its oracle agent, from an empty cache."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_local_environment import REPO, pytestmark, reward, run_harbor, trial_results
+from sandbox_jobs import run_oracle_job
+from test_local_environment import REPO, pytestmark, reward
 
 TASKS = REPO / "tests" / "tasks"
 
@@ -24,16 +25,14 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def oracle_job(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict[str, Any]:
-    jobs_dir = tmp_path_factory.mktemp("task-jobs")
-    completed = run_harbor(jobs_dir, "-p", str(TASKS), "-a", "oracle", "-n", "3",
-                           "--ek", f"cache_dir={cache_dir}", timeout=600)
-    return {"completed": completed, "results": trial_results(jobs_dir)}
+    results = run_oracle_job(tmp_path_factory.mktemp("task-jobs"), TASKS, concurrency=3,
+                             cache_dir=str(cache_dir))
+    return {"results": results}
 
 
 @pytest.mark.slow
 @pytest.mark.harbor
 def test_the_oracle_solves_every_sandbox_task(oracle_job: dict[str, Any]) -> None:
-    assert oracle_job["completed"].returncode == 0, oracle_job["completed"].stderr
     results = oracle_job["results"]
     assert sorted(r["task_name"] for r in results.values()) == sorted(
         path.name for path in TASKS.iterdir() if (path / "task.toml").is_file()
@@ -84,11 +83,9 @@ def test_concurrent_trials_on_one_port_never_answer_each_other(
     assert "start_period_sec = 3.0" in toml
     (silent / "task.toml").write_text(toml)
 
-    completed = run_harbor(tmp_path / "jobs", "-p", str(tasks), "-a", "oracle", "-k", "4",
-                           "-n", "8", "--ek", f"cache_dir={cache_dir}", timeout=600)
+    results = run_oracle_job(tmp_path / "jobs", tasks, attempts=4, concurrency=8,
+                             cache_dir=str(cache_dir))
 
-    assert completed.returncode == 0, completed.stderr
-    results = trial_results(tmp_path / "jobs")
     by_task: dict[str, list[dict[str, Any]]] = {}
     for result in results.values():
         by_task.setdefault(result["task_name"], []).append(result)

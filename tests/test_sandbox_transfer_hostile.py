@@ -1,5 +1,5 @@
 """Hostile tasks against the copies in and out of a trial and the host's reads of what a
-trial or a build wrote, through harbor's own CLI with the oracle agent (whose solve.sh
+trial or a build wrote, in harbor's own job with the oracle agent (whose solve.sh
 plays the agent): a planted ``tar`` and ``cat``, a ``tar`` that never ends, links out of
 the log directories, a 2 GiB sparse log, a build that links resolv.conf to /proc/kmsg."""
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sandbox_jobs import run_oracle_job
 from test_local_environment import (
     REPO,
     TASKS,
@@ -19,10 +20,8 @@ from test_local_environment import (
     pytestmark,
     reward,
     run,
-    run_harbor,
     running,
     sleepers,
-    trial_results,
     unique_seconds,
 )
 
@@ -106,10 +105,9 @@ def hostile_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("transfer-hostile")
     job = hostile_tasks(root)
     tasks = job["tasks"]
-    completed = run_harbor(root / "jobs", "-p", str(tasks), "-a", "oracle", "-n", "3",
-                           "--ek", f"cache_dir={root / 'cache'}", timeout=900)
-    results = {result["task_name"]: result for result in trial_results(root / "jobs").values()}
-    return {**job, "completed": completed, "results": results, "jobs": root / "jobs" / "job"}
+    trials = run_oracle_job(root / "jobs", tasks, concurrency=3, cache_dir=str(root / "cache"))
+    results = {result["task_name"]: result for result in trials.values()}
+    return {**job, "results": results, "jobs": root / "jobs" / "job"}
 
 
 def _trial_dir(job: dict[str, Any], task: str) -> Path:
@@ -118,7 +116,6 @@ def _trial_dir(job: dict[str, Any], task: str) -> Path:
 
 
 def _passed(job: dict[str, Any], task: str) -> None:
-    assert job["completed"].returncode == 0, job["completed"].stderr
     result = job["results"][task]
     assert result["exception_info"] is None, result["exception_info"]
     assert reward(result) == 1.0
@@ -190,11 +187,8 @@ def test_a_build_linking_resolv_conf_to_proc_kmsg_ends(hostile_job: dict[str, An
 
 @pytest.mark.harbor
 def test_a_download_past_its_time_limit_ends_the_trial_with_the_error(tmp_path: Path) -> None:
-    completed = run_harbor(tmp_path / "jobs", "-p", str(TASKS / "hello-file"), "-a", "oracle",
-                           "--ek", "download_timeout_sec=1e-9")
-
-    assert completed.returncode == 0, completed.stderr
-    [result] = trial_results(tmp_path / "jobs").values()
+    [result] = run_oracle_job(tmp_path / "jobs", TASKS / "hello-file",
+                              download_timeout_sec=1e-9).values()
     assert reward(result) is None
     exception = (tmp_path / "jobs" / "job" / result["trial_name"] / "exception.txt").read_text()
     assert "download of /logs/verifier" in exception

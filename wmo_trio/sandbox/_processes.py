@@ -71,7 +71,7 @@ class OutputCap:
             self.tail += chunk
             # Trimmed only once it holds twice what it keeps: trimming on every chunk moves
             # the whole tail per chunk, so a long output costs its length times the tail
-            # (no benchmark measures it; tests/test_sandbox_hostile.py streams a gigabyte).
+            # (no benchmark measures it; tests/test_sandbox_hostile.py floods many times the cap).
             if len(self.tail) > 2 * self.tail_limit:
                 del self.tail[: len(self.tail) - self.tail_limit]
 

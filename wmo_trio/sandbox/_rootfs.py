@@ -7,7 +7,8 @@ root overlay whose lowest layer is a *skeleton*: empty mount points, the host's
 ``/bin -> usr/bin`` style links, and empty ``/tmp``, ``/root``, ``/home``. Nothing else
 of the host is a layer. A *mask* layer, just above each host directory, empties what no
 image has (``/var/tmp``, ``/var/log``) and whites out the ``EXTERNALLY-MANAGED`` marker
-of the host's Python, since the Python of an image is the image's to install into; it
+of the host's Python, since the Python of an image is the image's to install into, and
+man-db's ``auto-update`` flag, since no image has man-db's index for a package to update; it
 also holds the host's account files without the accounts of people, as an image has
 system ones only. The skeleton and mask depend on the host alone, so every job shares
 them and the images built on them.
@@ -42,7 +43,9 @@ EMPTY_DIRECTORIES = {"proc": 0o555, "sys": 0o555, "dev": 0o755, "tmp": 0o1777, "
                      "boot": 0o755}
 # Inside system directories: shown empty (host scratch space and logs stay private).
 EMPTIED = {"var/tmp": 0o1777, "var/log": 0o755, "var/mail": 0o2775, "var/spool/mail": 0o2775}
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
+# While it exists, man-db's package trigger rebuilds the manual pages' index.
+MAN_DB_AUTO_UPDATE = "/var/lib/man-db/auto-update"
 # The hierarchies inside which each directory holds the host's software as a whole
 # (usr/local, usr/share, var/lib, var/cache...): a path to hide that is one of them, or a
 # system directory itself, is not whited out whole, or the image would lose its tools.
@@ -167,6 +170,10 @@ def _build(target: Path, system: tuple[str, ...]) -> None:
         _opaque_dir(mask / "var/log/apt", 0o755)  # apt writes its logs there
     for marker in glob.glob("/usr/lib/python3*/EXTERNALLY-MANAGED"):
         _whiteout(mask / marker.lstrip("/"))
+    # The images the host stands in for have no man-db; the host's would rebuild its
+    # index after every package a build or a trial installs, seconds of CPU each time.
+    if "var" in system and os.path.lexists(MAN_DB_AUTO_UPDATE):
+        _whiteout(mask / MAN_DB_AUTO_UPDATE.lstrip("/"))
     # Python images have `python`; Debian has it only with python-is-python3.
     python3 = shutil.which("python3", path="/usr/local/bin:/usr/bin")
     if "usr" in system and python3 and not shutil.which("python", path="/usr/local/bin:/usr/bin"):
@@ -227,7 +234,8 @@ def host_layers(cache_dir: Path, hidden: Iterable[Path]) -> HostLayers:
     accounts = [hashlib.sha256(path.read_bytes()).hexdigest()
                 for path in (Path("/etc") / name for name in ACCOUNT_FILES) if path.is_file()]
     key = hashlib.sha256(json.dumps([LAYOUT_VERSION, system, links, accounts,
-                                     sorted(glob.glob("/usr/lib/python3*/EXTERNALLY-MANAGED"))])
+                                     sorted(glob.glob("/usr/lib/python3*/EXTERNALLY-MANAGED")),
+                                     os.path.lexists(MAN_DB_AUTO_UPDATE)])
                          .encode()).hexdigest()[:16]
     target = cache_dir / "host" / key
     if not target.is_dir():
