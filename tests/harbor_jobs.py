@@ -10,10 +10,17 @@ messages, signals) run `harbor run`.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from wmo_trio.sandbox._namespace import wait_for_removals
 
 if TYPE_CHECKING:
     from harbor.models.job.config import JobConfig
@@ -26,8 +33,9 @@ def run_job_here(config: JobConfig) -> None:
     """Run a harbor job for `config` in this process: harbor's preflight of its environment
     and agents first, then the job under `asyncio.run`, as `harbor run` does; the
     environment a test run of `harbor run` gets (no `WMO_TRIO_HOST`, so the default host;
-    litellm's local cost map), restored after. Fails the test when the job takes longer
-    than `JOB_TIMEOUT_S` (harbor cancels its trials first)."""
+    litellm's local cost map), restored after; and, as at the end of harbor's process, the
+    stopped trials' directories gone. Fails the test when the job takes longer than
+    `JOB_TIMEOUT_S` (harbor cancels its trials first)."""
     from harbor.agents.factory import AgentFactory
     from harbor.environments.factory import EnvironmentFactory
     from harbor.job import Job
@@ -53,3 +61,43 @@ def run_job_here(config: JobConfig) -> None:
         for agent in config.agents:
             AgentFactory.run_preflight(agent, skip_credential_checks=config.skip_credential_checks)
         asyncio.run(run())
+    wait_for_removals()
+
+
+@contextmanager
+def _working_directory(path: Path | None) -> Iterator[None]:
+    if path is None:
+        yield
+        return
+    before = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def run_oracle_job(jobs_dir: Path, path: Path, *, concurrency: int = 1, attempts: int = 1,
+                   cwd: Path | None = None, **environment: Any) -> dict[str, dict[str, Any]]:
+    """harbor's `oracle` agent on the docker-free environment, as `harbor run -a oracle
+    -e wmo_trio.harbor:LocalEnvironment -p PATH` runs it, in this process: the job
+    `jobs_dir/job` over `path` (one task, or a directory of tasks as a dataset), from
+    `cwd`, with `environment` as the environment's kwargs (`--ek`). Each trial's
+    result.json by trial name; whatever harbor raises reaches the caller."""
+    from harbor.models.job.config import DatasetConfig
+    from harbor.models.job.config import JobConfig as Config
+    from harbor.models.task.task import Task
+    from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig
+
+    source: dict[str, Any] = (
+        {"tasks": [TaskConfig(path=path)]} if Task.is_valid_dir(path)
+        else {"datasets": [DatasetConfig(path=path)]})
+    with _working_directory(cwd):
+        run_job_here(Config(
+            job_name="job", jobs_dir=jobs_dir, quiet=True, n_attempts=attempts,
+            n_concurrent_trials=concurrency, agents=[AgentConfig(name="oracle")],
+            environment=EnvironmentConfig(import_path="wmo_trio.harbor:LocalEnvironment",
+                                          kwargs=environment),
+            **source))
+    return {path.parent.name: json.loads(path.read_text())
+            for path in sorted((jobs_dir / "job").glob("*/result.json"))}

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
 from harbor.models.trial.paths import EnvironmentPaths, TrialPaths
-from harbor_jobs import run_job_here
+from harbor_jobs import run_oracle_job
 
 from wmo_trio.harbor import LocalEnvironment
 from wmo_trio.sandbox._namespace import wait_for_removals
@@ -288,21 +288,11 @@ def test_nop_agent_fails_every_example_task(example_job: dict[str, Any]) -> None
 def test_sixteen_concurrent_trials_all_pass(tmp_path: Path) -> None:
     # harbor's Job in this process, as `harbor run -a oracle -k 16 -n 16` runs it: what
     # is checked is the trials, not the command line (tests/harbor_jobs.py)
-    from harbor.models.job.config import JobConfig
-    from harbor.models.trial.config import AgentConfig, TaskConfig
-    from harbor.models.trial.config import EnvironmentConfig as JobEnvironmentConfig
-
     state_dir = tmp_path / "state"
-    run_job_here(JobConfig(
-        job_name="job", jobs_dir=tmp_path / "jobs", n_attempts=16, n_concurrent_trials=16,
-        quiet=True, agents=[AgentConfig(name="oracle")],
-        environment=JobEnvironmentConfig(import_path="wmo_trio.harbor:LocalEnvironment",
-                                         kwargs={"state_dir": str(state_dir)}),
-        tasks=[TaskConfig(path=TASKS / "hello-file")]))
-    results = trial_results(tmp_path / "jobs")
+    results = run_oracle_job(tmp_path / "jobs", TASKS / "hello-file", attempts=16,
+                             concurrency=16, state_dir=str(state_dir))
     assert len(results) == 16
     assert [reward(r) for r in results.values()] == [1.0] * 16
-    wait_for_removals()
     assert list(state_dir.iterdir()) == []
 
 

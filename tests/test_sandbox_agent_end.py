@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import pytest
 from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig, TrialConfig
 from harbor.trial.trial import Trial
-from sandbox_jobs import run_oracle_job
+from harbor_jobs import run_oracle_job
 from test_local_environment import (
     TASKS,
     make_environment,

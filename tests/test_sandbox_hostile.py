@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sandbox_jobs import run_oracle_job
+from harbor_jobs import run_oracle_job
 from test_local_environment import (
     HARBOR,
     HARBOR_ENV,

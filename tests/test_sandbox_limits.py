@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from harbor.models.task.config import EnvironmentConfig
-from sandbox_jobs import run_oracle_job
+from harbor_jobs import run_oracle_job
 from test_local_environment import (
     TASKS,
     WAIT_BOUND_SEC,

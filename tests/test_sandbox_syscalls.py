@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sandbox_jobs import run_oracle_job
+from harbor_jobs import run_oracle_job
 from test_local_environment import (
     REPO,
     TASKS,
