@@ -6,13 +6,11 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import trio
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -62,23 +60,50 @@ class RunOptions:
     backend: str | None = None
 
 
-def _task_configs(paths: list[Path]) -> tuple[list[Any], list[Any]]:
-    from harbor.models.job.config import DatasetConfig
-    from harbor.models.trial.config import TaskConfig
-
+def _task_paths(paths: list[Path]) -> tuple[list[Path], list[Path]]:
+    """The harbor tasks and the directories of tasks `paths` names; `BadInput` for a path
+    that is neither."""
     tasks, datasets = [], []
     for path in paths:
         if not path.exists():
             raise BadInput(f"tasks path {path} does not exist; pass -p with a harbor task "
                            "directory or a directory of tasks")
         if (path / "task.toml").is_file():
-            tasks.append(TaskConfig(path=path))
+            tasks.append(path)
         elif path.is_dir() and any((child / "task.toml").is_file() for child in path.iterdir()):
-            datasets.append(DatasetConfig(path=path))
+            datasets.append(path)
         else:
             raise BadInput(f"{path} is neither a harbor task (no task.toml) nor a directory of "
                            "tasks; pass -p with one of those")
     return tasks, datasets
+
+
+def agent_kwargs(options: RunOptions) -> dict[str, Any]:
+    """The agent's keyword arguments for `options`, checked by the agent's own rules
+    (`wmo_trio.agent_arguments`: document, provider kind and key, timeouts, backend),
+    which need no harbor. Raises `BadInput`."""
+    kind, slash, model = options.model.partition("/")
+    if not slash or not kind or not model:
+        raise BadInput(f"model {options.model!r} must be kind/model, e.g. {DEFAULT_MODEL}, "
+                       "anthropic/claude-sonnet-4-5 or openai/<model>")
+    from wmo_trio.agent_arguments import parse_arguments, provider_for
+
+    harness = options.harness or examples_dir() / "harness.json"
+    kwargs: dict[str, Any] = {
+        "harness": str(harness.resolve()),
+        "provider_config": {"kind": kind, "model": model, **options.provider_settings},
+        "episode_timeout_sec": options.episode_timeout_sec,
+        "command_timeout_sec": options.command_timeout_sec,
+        "episode_workers": max(options.concurrency, 1),
+    }
+    if options.backend is not None:
+        kwargs["harness_backend"] = options.backend
+    try:
+        # Built only to be checked, as each trial's agent builds its own.
+        provider_for(parse_arguments(kwargs), options.model).close()
+    except ValueError as error:
+        raise BadInput(str(error)) from None
+    return kwargs
 
 
 def _environment_config(name: str | None) -> Any:
@@ -105,54 +130,35 @@ def _environment_config(name: str | None) -> Any:
 
 
 def build_job_config(options: RunOptions) -> Any:
-    """Validate every option, then the harbor `JobConfig`. Raises `BadInput`."""
-    from harbor.models.job.config import JobConfig
-    from harbor.models.trial.config import AgentConfig
+    """Validate every option, then the harbor `JobConfig`. Raises `BadInput`.
 
-    from wmo_trio.harbor import WmoTrioHarborAgent
-
-    tasks, datasets = _task_configs(options.paths)
-    kind, slash, model = options.model.partition("/")
-    if not slash or not kind or not model:
-        raise BadInput(f"model {options.model!r} must be kind/model, e.g. {DEFAULT_MODEL}, "
-                       "anthropic/claude-sonnet-4-5 or openai/<model>")
-    harness = options.harness or examples_dir() / "harness.json"
-    kwargs: dict[str, Any] = {
-        "harness": str(harness.resolve()),
-        "provider_config": {"kind": kind, "model": model, **options.provider_settings},
-        "episode_timeout_sec": options.episode_timeout_sec,
-        "command_timeout_sec": options.command_timeout_sec,
-        "episode_workers": max(options.concurrency, 1),
-    }
-    if options.backend is not None:
-        kwargs["harness_backend"] = options.backend
-    # Build the agent once, here, so that every check it makes (document, provider kind,
-    # API key, timeouts) fails now, before a job directory exists.
-    with tempfile.TemporaryDirectory() as scratch:
-        try:
-            WmoTrioHarborAgent(logs_dir=Path(scratch), model_name=options.model, **kwargs)
-        except ValueError as error:
-            raise BadInput(str(error)) from None
+    Every option wmo_trio can judge itself is judged before harbor is imported, so a bad
+    one is refused at once, before a job directory exists; harbor is loaded for the
+    environment (its types, a Docker daemon) and the job's configuration."""
+    tasks, datasets = _task_paths(options.paths)
+    kwargs = agent_kwargs(options)
     if options.concurrency < 1 or options.attempts < 1:
         raise BadInput("-n and -k must be at least 1")
-    environment = _environment_config(options.environment)
     name = options.job_name or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
     if (options.jobs_dir / name).exists():
         raise BadInput(f"job directory {options.jobs_dir / name} already exists; pick another "
                        "--job-name")
+    from harbor.models.job.config import DatasetConfig, JobConfig
+    from harbor.models.trial.config import AgentConfig, TaskConfig
+
     return JobConfig(
         job_name=name,
         jobs_dir=options.jobs_dir,
         n_attempts=options.attempts,
         n_concurrent_trials=options.concurrency,
         quiet=True,
-        environment=environment,
+        environment=_environment_config(options.environment),
         # The model is wmo_trio's to serve (provider_config), not litellm's: without this,
         # harbor looks it up in litellm's tables and warns that it cannot resolve it.
         agents=[AgentConfig(import_path=AGENT_IMPORT_PATH, model_name=options.model,
                             kwargs=kwargs, skip_model_parsing=True)],
-        tasks=tasks,
-        datasets=datasets,
+        tasks=[TaskConfig(path=path) for path in tasks],
+        datasets=[DatasetConfig(path=path) for path in datasets],
     )
 
 
@@ -333,6 +339,8 @@ async def run_with_progress(config: Any, console: Console) -> Path:
 
     The display is transient: when the job ends it is cleared, and the caller prints the
     summary once. harbor's own bar is kept off the terminal meanwhile."""
+    import trio
+
     from wmo_trio.harbor._job import harbor_progress_hidden, run_job
 
     job_dir = Path(config.jobs_dir) / str(config.job_name)
