@@ -42,9 +42,10 @@ atexit.register(lambda: Path(os.environ["HARBOR_IMPORTS"]).write_text(json.dumps
 from wmo_trio.cli import main
 main()
 """]
-# All of harbor that the agent's arguments need (their model is harbor's options model,
-# plain pydantic): a refusal wmo_trio can judge loads nothing more.
-HARBORS_OPTIONS_MODEL = {"harbor", "harbor.agents", "harbor.agents.options"}
+# All of harbor that judging `wmo-trio run`'s options needs, plain modules: its options
+# model, which the agent's arguments are, and its enum of environment types.
+HARBORS_PLAIN_MODULES = {"harbor", "harbor.agents", "harbor.agents.options", "harbor.models",
+                         "harbor.models.environment_type"}
 
 
 @dataclass
@@ -231,9 +232,8 @@ def _assert_bad_input(completed: subprocess.CompletedProcess[str], *fragments: s
         assert fragment in lines[0]
 
 
-# A refusal wmo_trio judges itself comes before harbor loads (a second of CPU); harbor's own
-# environment types need harbor, and so does the sandbox check: it loads wmo_trio.sandbox,
-# which is a harbor environment too.
+# A refusal comes before harbor's machinery loads (a second of CPU), but for the sandbox
+# check's: it loads wmo_trio.sandbox, which is a harbor environment too.
 BEFORE_HARBOR, AFTER_HARBOR = True, False
 
 
@@ -246,7 +246,7 @@ BEFORE_HARBOR, AFTER_HARBOR = True, False
          BEFORE_HARBOR),
         (["-m", "anthropic/claude-sonnet-4-5"], {}, ["ANTHROPIC_API_KEY"], BEFORE_HARBOR),
         (["-e", "docker"], {"PATH": "/nonexistent"}, ["Docker daemon", "LocalEnvironment"],
-         AFTER_HARBOR),
+         BEFORE_HARBOR),
         (["-m", "offline"], {}, ["must be kind/model"], BEFORE_HARBOR),
         (["--backend", "sandbox"], {"PATH": "/nonexistent"},
          ["harness_backend='sandbox' cannot run on this machine", "bwrap"], AFTER_HARBOR),
@@ -272,11 +272,11 @@ def test_bad_input_is_one_line_exit_2_and_starts_nothing(
     _assert_bad_input(completed, *fragments)
     assert not (tmp_path / "jobs").exists()
     harbor = set(json.loads(imports.read_text()))
-    assert (harbor <= HARBORS_OPTIONS_MODEL) == before_harbor, sorted(harbor)
+    assert (harbor <= HARBORS_PLAIN_MODULES) == before_harbor, sorted(harbor)
 
 
-# Every other refusal wmo_trio judges itself, in one process: what it says, and that
-# harbor is still not loaded after all of them.
+# Every other refusal, in one process: what it says, and that harbor's machinery is still
+# not loaded after all of them.
 _REFUSALS_PROBE = """
 import json, sys
 from pathlib import Path
@@ -296,7 +296,7 @@ print(json.dumps({"said": said, "harbor": sorted(
 """
 
 
-def test_every_refusal_wmo_trio_can_judge_comes_before_harbor_loads(tmp_path: Path) -> None:
+def test_every_refusal_comes_before_harbor_loads(tmp_path: Path) -> None:
     (tmp_path / "no-tasks").mkdir()
     (tmp_path / "jobs" / "taken").mkdir(parents=True)
     cases = {
@@ -312,6 +312,7 @@ def test_every_refusal_wmo_trio_can_judge_comes_before_harbor_loads(tmp_path: Pa
         "a provider setting": ({"provider_settings": {"scirpt": []}},
                                "scripted provider: unknown setting scirpt"),
         "e2b without a key": ({"backend": "e2b"}, "harness_backend='e2b' needs an E2B API key"),
+        "an unknown environment": ({"environment": "nosuch"}, "unknown environment 'nosuch'"),
     }
     environment = {k: v for k, v in os.environ.items() if k != "E2B_API_KEY"}
     completed = subprocess.run(
@@ -322,7 +323,7 @@ def test_every_refusal_wmo_trio_can_judge_comes_before_harbor_loads(tmp_path: Pa
     found = json.loads(completed.stdout)
     for case, (_, fragment) in cases.items():
         assert fragment in found["said"].get(case, "(not refused)"), (case, found["said"])
-    assert set(found["harbor"]) <= HARBORS_OPTIONS_MODEL, found["harbor"]
+    assert set(found["harbor"]) <= HARBORS_PLAIN_MODULES, found["harbor"]
 
 
 def test_an_invalid_document_is_bad_input_for_doc_commands(tmp_path: Path) -> None:

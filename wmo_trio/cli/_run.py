@@ -106,9 +106,12 @@ def agent_kwargs(options: RunOptions) -> dict[str, Any]:
     return kwargs
 
 
-def _environment_config(name: str | None) -> Any:
+def _environment(name: str | None) -> dict[str, Any]:
+    """The harbor `EnvironmentConfig` fields of the environment to run tasks in: an import
+    path, or one of harbor's types (`BadInput` for another, or for Docker when its daemon
+    does not answer)."""
+    # harbor's enum of types is a module of its own: its job machinery stays unloaded.
     from harbor.models.environment_type import EnvironmentType
-    from harbor.models.trial.config import EnvironmentConfig
 
     if name is None:
         name = "docker" if docker_daemon_answers() else LOCAL_ENVIRONMENT
@@ -116,7 +119,7 @@ def _environment_config(name: str | None) -> Any:
             sys.stderr.write("wmo-trio: no Docker daemon answers; running tasks in the "
                              f"docker-free sandbox ({LOCAL_ENVIRONMENT}, see docs/sandbox.md)\n")
     if ":" in name:
-        return EnvironmentConfig(import_path=name)
+        return {"import_path": name}
     try:
         kind = EnvironmentType(name)
     except ValueError:
@@ -126,25 +129,26 @@ def _environment_config(name: str | None) -> Any:
     if kind is EnvironmentType.DOCKER and not docker_daemon_answers():
         raise BadInput("the Docker daemon does not answer (docker info failed); start Docker, "
                        f"or run without Docker: -e {LOCAL_ENVIRONMENT}")
-    return EnvironmentConfig(type=kind)
+    return {"type": kind}
 
 
 def build_job_config(options: RunOptions) -> Any:
     """Validate every option, then the harbor `JobConfig`. Raises `BadInput`.
 
-    Every option wmo_trio can judge itself is judged before harbor is imported, so a bad
-    one is refused at once, before a job directory exists; harbor is loaded for the
-    environment (its types, a Docker daemon) and the job's configuration."""
+    Every option is judged before this imports harbor's job machinery (the agent's
+    arguments by the agent's own checks, which need none of it), so a bad one is refused
+    at once, before a job directory exists."""
     tasks, datasets = _task_paths(options.paths)
     kwargs = agent_kwargs(options)
     if options.concurrency < 1 or options.attempts < 1:
         raise BadInput("-n and -k must be at least 1")
+    environment = _environment(options.environment)
     name = options.job_name or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
     if (options.jobs_dir / name).exists():
         raise BadInput(f"job directory {options.jobs_dir / name} already exists; pick another "
                        "--job-name")
     from harbor.models.job.config import DatasetConfig, JobConfig
-    from harbor.models.trial.config import AgentConfig, TaskConfig
+    from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig
 
     return JobConfig(
         job_name=name,
@@ -152,7 +156,7 @@ def build_job_config(options: RunOptions) -> Any:
         n_attempts=options.attempts,
         n_concurrent_trials=options.concurrency,
         quiet=True,
-        environment=_environment_config(options.environment),
+        environment=EnvironmentConfig(**environment),
         # The model is wmo_trio's to serve (provider_config), not litellm's: without this,
         # harbor looks it up in litellm's tables and warns that it cannot resolve it.
         agents=[AgentConfig(import_path=AGENT_IMPORT_PATH, model_name=options.model,
