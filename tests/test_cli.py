@@ -27,10 +27,25 @@ CLI = [sys.executable, "-c", "from wmo_trio.cli import main; main()"]
 
 
 def wmo_trio(*args: str, cwd: Path, env: dict[str, str] | None = None,
-             timeout: float = 300) -> subprocess.CompletedProcess[str]:
+             timeout: float = 300, cli: list[str] = CLI) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if k != "ANTHROPIC_API_KEY"}
-    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([*cli, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env={**environment, **(env or {})})
+
+
+# `wmo-trio`, writing as it exits the harbor modules it imported to the file $HARBOR_IMPORTS.
+CLI_NOTING_HARBOR = [sys.executable, "-c", """
+import atexit, json, os, sys
+from pathlib import Path
+atexit.register(lambda: Path(os.environ["HARBOR_IMPORTS"]).write_text(json.dumps(sorted(
+    m for m in sys.modules if m == "harbor" or m.startswith("harbor.")))))
+from wmo_trio.cli import main
+main()
+"""]
+# All of harbor that judging `wmo-trio run`'s options needs, plain modules: its options
+# model, which the agent's arguments are, and its enum of environment types.
+HARBORS_PLAIN_MODULES = {"harbor", "harbor.agents", "harbor.agents.options", "harbor.models",
+                         "harbor.models.environment_type"}
 
 
 @dataclass
@@ -217,32 +232,98 @@ def _assert_bad_input(completed: subprocess.CompletedProcess[str], *fragments: s
         assert fragment in lines[0]
 
 
+# A refusal comes before harbor's machinery loads (a second of CPU), but for the sandbox
+# check's: it loads wmo_trio.sandbox, which is a harbor environment too.
+BEFORE_HARBOR, AFTER_HARBOR = True, False
+
+
 @pytest.mark.parametrize(
-    ("args", "env", "fragments"),
+    ("args", "env", "fragments", "before_harbor"),
     [
-        (["-p", "no/such/tasks"], {}, ["no/such/tasks does not exist"]),
-        (["--harness", "bad.json"], {}, ["bad.json", "param:max-turns"]),
-        (["-m", "openia/gpt"], {}, ["unknown provider kind 'openia'", "anthropic", "scripted"]),
-        (["-m", "anthropic/claude-sonnet-4-5"], {}, ["ANTHROPIC_API_KEY"]),
-        (["-e", "docker"], {"PATH": "/nonexistent"}, ["Docker daemon", "LocalEnvironment"]),
-        (["-m", "offline"], {}, ["must be kind/model"]),
+        (["-p", "no/such/tasks"], {}, ["no/such/tasks does not exist"], BEFORE_HARBOR),
+        (["--harness", "bad.json"], {}, ["bad.json", "param:max-turns"], BEFORE_HARBOR),
+        (["-m", "openia/gpt"], {}, ["unknown provider kind 'openia'", "anthropic", "scripted"],
+         BEFORE_HARBOR),
+        (["-m", "anthropic/claude-sonnet-4-5"], {}, ["ANTHROPIC_API_KEY"], BEFORE_HARBOR),
+        (["-e", "docker"], {"PATH": "/nonexistent"}, ["Docker daemon", "LocalEnvironment"],
+         BEFORE_HARBOR),
+        (["-m", "offline"], {}, ["must be kind/model"], BEFORE_HARBOR),
         (["--backend", "sandbox"], {"PATH": "/nonexistent"},
-         ["harness_backend='sandbox' cannot run on this machine", "bwrap"]),
-        (["--backend", "cloud"], {}, ["harness_backend must be one of 'local', 'e2b', 'sandbox'"]),
+         ["harness_backend='sandbox' cannot run on this machine", "bwrap"], AFTER_HARBOR),
+        (["--backend", "cloud"], {}, ["harness_backend must be one of 'local', 'e2b', 'sandbox'"],
+         BEFORE_HARBOR),
     ],
+    ids=["tasks", "document", "provider-kind", "api-key", "docker", "kind/model", "sandbox",
+         "backend"],
 )
 def test_bad_input_is_one_line_exit_2_and_starts_nothing(
-    tmp_path: Path, args: list[str], env: dict[str, str], fragments: list[str]
+    tmp_path: Path, args: list[str], env: dict[str, str], fragments: list[str],
+    before_harbor: bool,
 ) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"name": "b", "surfaces": [
         {"id": "prompt:core", "kind": "prompt", "content": "x"},
         {"id": "param:max-turns", "kind": "param", "content": "many"}]}))
+    imports = tmp_path / "harbor-imports.json"
     full_env = {**env, "PATH": env["PATH"] + ":" + os.path.dirname(sys.executable)} if env else {}
     completed = wmo_trio("run", "-o", "jobs", "-p", str(ROOT / "examples/tasks/hello-file"),
-                         *args, cwd=tmp_path, env=full_env)
+                         *args, cwd=tmp_path, env={**full_env, "HARBOR_IMPORTS": str(imports)},
+                         cli=CLI_NOTING_HARBOR)
     _assert_bad_input(completed, *fragments)
     assert not (tmp_path / "jobs").exists()
+    harbor = set(json.loads(imports.read_text()))
+    assert (harbor <= HARBORS_PLAIN_MODULES) == before_harbor, sorted(harbor)
+
+
+# Every other refusal, in one process: what it says, and that harbor's machinery is still
+# not loaded after all of them.
+_REFUSALS_PROBE = """
+import json, sys
+from pathlib import Path
+from wmo_trio.cli._run import BadInput, RunOptions, build_job_config, examples_dir
+
+said = {}
+for case, fields in json.loads(sys.argv[1]).items():
+    fields = {name: [Path(p) for p in value] if name == "paths" else
+              Path(value) if name == "jobs_dir" else value for name, value in fields.items()}
+    try:
+        build_job_config(RunOptions(**{"paths": [examples_dir() / "tasks" / "hello-file"],
+                                        **fields}))
+    except BadInput as error:
+        said[case] = str(error)
+print(json.dumps({"said": said, "harbor": sorted(
+    m for m in sys.modules if m == "harbor" or m.startswith("harbor."))}))
+"""
+
+
+def test_every_refusal_comes_before_harbor_loads(tmp_path: Path) -> None:
+    (tmp_path / "no-tasks").mkdir()
+    (tmp_path / "jobs" / "taken").mkdir(parents=True)
+    cases = {
+        "-n 0": ({"concurrency": 0}, "-n and -k must be at least 1"),
+        "-k 0": ({"attempts": 0}, "-n and -k must be at least 1"),
+        "--command-timeout": ({"command_timeout_sec": 241},
+                              "command_timeout_sec must be an integer in [1, 240], got 241"),
+        "--episode-timeout": ({"episode_timeout_sec": 0.0},
+                              "episode_timeout_sec must be a finite positive number of seconds"),
+        "no tasks": ({"paths": ["no-tasks"]}, "no-tasks is neither a harbor task"),
+        "a taken job": ({"jobs_dir": "jobs", "job_name": "taken"},
+                        "job directory jobs/taken already exists"),
+        "a provider setting": ({"provider_settings": {"scirpt": []}},
+                               "scripted provider: unknown setting scirpt"),
+        "e2b without a key": ({"backend": "e2b"}, "harness_backend='e2b' needs an E2B API key"),
+        "an unknown environment": ({"environment": "nosuch"}, "unknown environment 'nosuch'"),
+    }
+    environment = {k: v for k, v in os.environ.items() if k != "E2B_API_KEY"}
+    completed = subprocess.run(
+        [sys.executable, "-c", _REFUSALS_PROBE,
+         json.dumps({case: fields for case, (fields, _) in cases.items()})],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=environment)
+    assert completed.returncode == 0, completed.stderr
+    found = json.loads(completed.stdout)
+    for case, (_, fragment) in cases.items():
+        assert fragment in found["said"].get(case, "(not refused)"), (case, found["said"])
+    assert set(found["harbor"]) <= HARBORS_PLAIN_MODULES, found["harbor"]
 
 
 def test_an_invalid_document_is_bad_input_for_doc_commands(tmp_path: Path) -> None:

@@ -115,7 +115,6 @@ def run(
     = None,
 ) -> None:
     """Run a harbor job with the wmo_trio agent, trio owning the loop (trio-asyncio)."""
-    import trio
     from rich.live import Live
     from rich.spinner import Spinner
 
@@ -155,6 +154,8 @@ def run(
             refused = error
     if refused is not None:
         raise fail(str(refused))
+    import trio
+
     try:
         job_dir = trio.run(run_with_progress, config, console)
     except Exception as error:  # the job itself broke: infrastructure, not the candidate

@@ -6,13 +6,11 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import trio
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -62,60 +60,34 @@ class RunOptions:
     backend: str | None = None
 
 
-def _task_configs(paths: list[Path]) -> tuple[list[Any], list[Any]]:
-    from harbor.models.job.config import DatasetConfig
-    from harbor.models.trial.config import TaskConfig
-
+def _task_paths(paths: list[Path]) -> tuple[list[Path], list[Path]]:
+    """The harbor tasks and the directories of tasks `paths` names; `BadInput` for a path
+    that is neither."""
     tasks, datasets = [], []
     for path in paths:
         if not path.exists():
             raise BadInput(f"tasks path {path} does not exist; pass -p with a harbor task "
                            "directory or a directory of tasks")
         if (path / "task.toml").is_file():
-            tasks.append(TaskConfig(path=path))
+            tasks.append(path)
         elif path.is_dir() and any((child / "task.toml").is_file() for child in path.iterdir()):
-            datasets.append(DatasetConfig(path=path))
+            datasets.append(path)
         else:
             raise BadInput(f"{path} is neither a harbor task (no task.toml) nor a directory of "
                            "tasks; pass -p with one of those")
     return tasks, datasets
 
 
-def _environment_config(name: str | None) -> Any:
-    from harbor.models.environment_type import EnvironmentType
-    from harbor.models.trial.config import EnvironmentConfig
-
-    if name is None:
-        name = "docker" if docker_daemon_answers() else LOCAL_ENVIRONMENT
-        if name == LOCAL_ENVIRONMENT:
-            sys.stderr.write("wmo-trio: no Docker daemon answers; running tasks in the "
-                             f"docker-free sandbox ({LOCAL_ENVIRONMENT}, see docs/sandbox.md)\n")
-    if ":" in name:
-        return EnvironmentConfig(import_path=name)
-    try:
-        kind = EnvironmentType(name)
-    except ValueError:
-        known = ", ".join(t.value for t in EnvironmentType)
-        raise BadInput(f"unknown environment {name!r}; use a harbor type ({known}) or an import "
-                       f"path such as {LOCAL_ENVIRONMENT}") from None
-    if kind is EnvironmentType.DOCKER and not docker_daemon_answers():
-        raise BadInput("the Docker daemon does not answer (docker info failed); start Docker, "
-                       f"or run without Docker: -e {LOCAL_ENVIRONMENT}")
-    return EnvironmentConfig(type=kind)
-
-
-def build_job_config(options: RunOptions) -> Any:
-    """Validate every option, then the harbor `JobConfig`. Raises `BadInput`."""
-    from harbor.models.job.config import JobConfig
-    from harbor.models.trial.config import AgentConfig
-
-    from wmo_trio.harbor import WmoTrioHarborAgent
-
-    tasks, datasets = _task_configs(options.paths)
+def agent_kwargs(options: RunOptions) -> dict[str, Any]:
+    """The agent's keyword arguments for `options`, checked by the agent's own rules
+    (`wmo_trio.agent_arguments`: document, provider kind and key, timeouts, backend),
+    which need no harbor. Raises `BadInput`."""
     kind, slash, model = options.model.partition("/")
     if not slash or not kind or not model:
         raise BadInput(f"model {options.model!r} must be kind/model, e.g. {DEFAULT_MODEL}, "
                        "anthropic/claude-sonnet-4-5 or openai/<model>")
+    from wmo_trio.agent_arguments import parse_arguments, provider_for
+
     harness = options.harness or examples_dir() / "harness.json"
     kwargs: dict[str, Any] = {
         "harness": str(harness.resolve()),
@@ -126,33 +98,71 @@ def build_job_config(options: RunOptions) -> Any:
     }
     if options.backend is not None:
         kwargs["harness_backend"] = options.backend
-    # Build the agent once, here, so that every check it makes (document, provider kind,
-    # API key, timeouts) fails now, before a job directory exists.
-    with tempfile.TemporaryDirectory() as scratch:
-        try:
-            WmoTrioHarborAgent(logs_dir=Path(scratch), model_name=options.model, **kwargs)
-        except ValueError as error:
-            raise BadInput(str(error)) from None
+    try:
+        # Built only to be checked, as each trial's agent builds its own.
+        provider_for(parse_arguments(kwargs), options.model).close()
+    except ValueError as error:
+        raise BadInput(str(error)) from None
+    return kwargs
+
+
+def _environment(name: str | None) -> dict[str, Any]:
+    """The harbor `EnvironmentConfig` fields of the environment to run tasks in: an import
+    path, or one of harbor's types (`BadInput` for another, or for Docker when its daemon
+    does not answer)."""
+    # harbor's enum of types is a module of its own: its job machinery stays unloaded.
+    from harbor.models.environment_type import EnvironmentType
+
+    if name is None:
+        name = "docker" if docker_daemon_answers() else LOCAL_ENVIRONMENT
+        if name == LOCAL_ENVIRONMENT:
+            sys.stderr.write("wmo-trio: no Docker daemon answers; running tasks in the "
+                             f"docker-free sandbox ({LOCAL_ENVIRONMENT}, see docs/sandbox.md)\n")
+    if ":" in name:
+        return {"import_path": name}
+    try:
+        kind = EnvironmentType(name)
+    except ValueError:
+        known = ", ".join(t.value for t in EnvironmentType)
+        raise BadInput(f"unknown environment {name!r}; use a harbor type ({known}) or an import "
+                       f"path such as {LOCAL_ENVIRONMENT}") from None
+    if kind is EnvironmentType.DOCKER and not docker_daemon_answers():
+        raise BadInput("the Docker daemon does not answer (docker info failed); start Docker, "
+                       f"or run without Docker: -e {LOCAL_ENVIRONMENT}")
+    return {"type": kind}
+
+
+def build_job_config(options: RunOptions) -> Any:
+    """Validate every option, then the harbor `JobConfig`. Raises `BadInput`.
+
+    Every option is judged before this imports harbor's job machinery (the agent's
+    arguments by the agent's own checks, which need none of it), so a bad one is refused
+    at once, before a job directory exists."""
+    tasks, datasets = _task_paths(options.paths)
+    kwargs = agent_kwargs(options)
     if options.concurrency < 1 or options.attempts < 1:
         raise BadInput("-n and -k must be at least 1")
-    environment = _environment_config(options.environment)
+    environment = _environment(options.environment)
     name = options.job_name or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
     if (options.jobs_dir / name).exists():
         raise BadInput(f"job directory {options.jobs_dir / name} already exists; pick another "
                        "--job-name")
+    from harbor.models.job.config import DatasetConfig, JobConfig
+    from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig
+
     return JobConfig(
         job_name=name,
         jobs_dir=options.jobs_dir,
         n_attempts=options.attempts,
         n_concurrent_trials=options.concurrency,
         quiet=True,
-        environment=environment,
+        environment=EnvironmentConfig(**environment),
         # The model is wmo_trio's to serve (provider_config), not litellm's: without this,
         # harbor looks it up in litellm's tables and warns that it cannot resolve it.
         agents=[AgentConfig(import_path=AGENT_IMPORT_PATH, model_name=options.model,
                             kwargs=kwargs, skip_model_parsing=True)],
-        tasks=tasks,
-        datasets=datasets,
+        tasks=[TaskConfig(path=path) for path in tasks],
+        datasets=[DatasetConfig(path=path) for path in datasets],
     )
 
 
@@ -333,6 +343,8 @@ async def run_with_progress(config: Any, console: Console) -> Path:
 
     The display is transient: when the job ends it is cleared, and the caller prints the
     summary once. harbor's own bar is kept off the terminal meanwhile."""
+    import trio
+
     from wmo_trio.harbor._job import harbor_progress_hidden, run_job
 
     job_dir = Path(config.jobs_dir) / str(config.job_name)

@@ -2,9 +2,11 @@
 
 Harbor owns the task environment and the verifier; this agent runs the episode host-side.
 Every keyword argument is checked in the constructor, so a bad candidate or configuration
-fails before harbor starts a single container. The constructor does no I/O beyond reading
-a document file once per process (harbor builds it on its event loop): the provider's SDK
-is imported, and its client built, in a worker thread on the first model call.
+fails before harbor starts a single container; the arguments and their checks are
+`wmo_trio.agent_arguments`'s, which `wmo-trio run` makes before it loads harbor. The
+constructor does no I/O beyond reading a document file once per process (harbor builds it
+on its event loop): the provider's SDK is imported, and its client built, in a worker
+thread on the first model call.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Self
+from typing import Any, ClassVar
 
 import outcome
 from harbor.agents.base import BaseAgent
@@ -21,12 +23,18 @@ from harbor.agents.capabilities import AgentCapabilities
 from harbor.agents.options import AgentOptions
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
-from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 
 from wmo_trio import __version__
-from wmo_trio.backends import BackendChoice, build_runtime, check_e2b_key, check_sandbox, resolve_backend
+from wmo_trio.agent_arguments import AGENT_NAME as AGENT_NAME
+from wmo_trio.agent_arguments import (
+    AgentArguments,
+    check_model_name_matches,
+    parse_arguments,
+    provider_for,
+)
+from wmo_trio.backends import build_runtime
 from wmo_trio.control import CallControl
-from wmo_trio.engine import DEFAULT_EPISODE_WORKERS, host_for_running_loop, settle_heap
+from wmo_trio.engine import host_for_running_loop, settle_heap
 from wmo_trio.episode.environment import Environment
 from wmo_trio.episode.log import EpisodeLog
 from wmo_trio.episode.runtime import Runtime, RuntimeEpisode
@@ -43,23 +51,7 @@ from wmo_trio.harbor._timeout import harbor_agent_timeout
 from wmo_trio.harbor._trajectory import TrajectoryInfo, write_trajectory
 from wmo_trio.harness import HarnessDoc, HarnessError, harness_from
 from wmo_trio.models import RunResult
-from wmo_trio.providers import (
-    Provider,
-    ProviderConfig,
-    ProviderConfigError,
-    build_provider,
-    parse_provider_config,
-)
-from wmo_trio.settings import (
-    DEFAULT_COMMAND_TIMEOUT_SEC,
-    DEFAULT_EPISODE_TIMEOUT_SEC,
-    CommandTimeout,
-    EpisodeSettings,
-    PositiveInt,
-    PositiveSeconds,
-    not_given,
-    refused,
-)
+from wmo_trio.providers import Provider, ProviderConfigError, parse_provider_config
 from wmo_trio.trace import (
     CANCELLED_BY_HARBOR,
     CANCELLED_BY_HARBOR_TIMEOUT,
@@ -69,87 +61,6 @@ from wmo_trio.trace import (
 )
 
 log = logging.getLogger("wmo_trio.harbor")
-
-AGENT_NAME = "wmo-harness"
-DocHash = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$", description="32 lowercase hex digits")]
-
-
-def _document(value: object) -> HarnessDoc:
-    if value is None:
-        raise not_given()
-    try:
-        return harness_from(value)
-    except HarnessError as error:
-        raise refused(str(error)) from None
-
-
-def _provider_config(value: object) -> ProviderConfig:
-    if value is None:
-        raise not_given()
-    if not isinstance(value, dict):
-        raise refused(f"must be a JSON object with kind and model, got {type(value).__name__}")
-    try:
-        return parse_provider_config(value)
-    except ProviderConfigError as error:
-        raise refused(str(error)) from None
-
-
-class AgentArguments(AgentOptions, EpisodeSettings, BackendChoice):  # type: ignore[misc]
-    """The agent's keyword arguments (docs/agent.md, "The agent's keyword arguments"), declared
-    once: harbor's options model for the agent (`options_model`), which harbor validates
-    at preflight and again in every trial's constructor. The document is parsed
-    (`harness_from`) and the provider configuration read (`parse_provider_config`);
-    building the provider, and the checks that depend on this process (the model name
-    harbor passes, an E2B key), are the agent's own."""
-
-    model_config = ConfigDict(strict=True, frozen=True, extra="forbid", coerce_numbers_to_str=False)
-    settings_noun: ClassVar[str] = "agent argument"
-
-    harness: Annotated[HarnessDoc, BeforeValidator(_document)] = Field(
-        description="a harness document (a JSON object, JSON text or the path of a JSON file)")
-    provider_config: Annotated[ProviderConfig, BeforeValidator(_provider_config)] = Field(
-        description="a JSON object with kind and model")
-    doc_hash: DocHash | None = Field(
-        default=None, description="the document's doc_hash (32 hex digits): the document must have it")
-    command_timeout_sec: CommandTimeout = DEFAULT_COMMAND_TIMEOUT_SEC
-    # The harbor agent's name for the budget; the research API's aliases are unknown here.
-    episode_timeout_sec: PositiveSeconds = DEFAULT_EPISODE_TIMEOUT_SEC
-    episode_workers: PositiveInt = DEFAULT_EPISODE_WORKERS
-
-    @model_validator(mode="after")
-    def _document_is_the_pinned_one(self) -> Self:
-        if self.doc_hash is not None and self.doc_hash != self.harness.doc_hash:
-            raise refused(
-                f"doc_hash: this job's agent configuration names document {self.doc_hash}, "
-                f"but harness is now document {self.harness.doc_hash}; a job never mixes two "
-                "candidates' trials: restore that document, or run this one as a new job "
-                "(another --job-name)")
-        return self
-
-
-def _provider_for(arguments: AgentArguments, model_name: str | None, *,
-                  check_model_name: bool = True) -> Provider:
-    """The checks that depend on this process, then the provider for one trial; each
-    failure a `ValueError` naming its argument."""
-    config = arguments.provider_config
-    if check_model_name:
-        _check_model_name(model_name, config)
-    if arguments.harness_backend == "e2b":
-        check_e2b_key()
-    elif arguments.harness_backend == "sandbox":
-        check_sandbox()
-    try:
-        return build_provider(config)
-    except ProviderConfigError as error:
-        raise ValueError(f"provider_config: {error}") from None
-
-
-def _check_model_name(model_name: str | None, config: ProviderConfig) -> None:
-    if model_name != config.model_name:
-        raise ValueError(
-            f"model_name (-m) must be {config.model_name!r} (provider_config kind/model), "
-            f"got {model_name!r}"
-        )
 
 
 def _no_agent_environment(env: Mapping[str, str] | None) -> None:
@@ -191,7 +102,7 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         arguments: AgentArguments = self.options
         _no_agent_environment(self._extra_env)
         self._arguments = arguments
-        self._provider = _provider_for(arguments, model_name)
+        self._provider = provider_for(arguments, model_name)
         # Before the burst of agents a harbor job constructs: each construction otherwise
         # ran the collector's full passes over every agent made so far.
         settle_heap()
@@ -209,15 +120,7 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         """harbor's hook for checking an agent's options, at preflight and in the
         constructor: one line naming each bad argument (an unknown one with the closest
         known name), in place of harbor's generic listing."""
-        arguments: AgentArguments = AgentArguments.parse(kwargs or {})
-        for name in ("base_url", "reasoning_effort"):
-            if getattr(arguments, name) is not None:
-                raise ValueError(f"{name} is not supported by {AGENT_NAME}: its provider "
-                                 "settings go in provider_config")
-        if arguments.harness_backend is None:  # chosen by the document and this machine
-            arguments = arguments.model_copy(update={
-                "harness_backend": resolve_backend(arguments.harness, None)})
-        return arguments
+        return parse_arguments(kwargs)
 
     @classmethod
     def preflight(cls, kwargs: dict[str, Any] | None = None,
@@ -231,7 +134,7 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         super().preflight(kwargs, env)
         _no_agent_environment(env)
         arguments = cls.parse_options(kwargs, env)
-        _provider_for(arguments, None, check_model_name=False)
+        provider_for(arguments, None, check_model_name=False)
         pin_document(kwargs, arguments.harness.doc_hash, WmoTrioHarborAgent)
 
     @classmethod
@@ -247,7 +150,7 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
             config = parse_provider_config(given)
         except (ProviderConfigError, TypeError, ValueError):
             return  # its preflight, which harbor runs first, said what is wrong with it
-        _check_model_name(kwargs.get("model_name"), config)
+        check_model_name_matches(kwargs.get("model_name"), config)
 
     @staticmethod
     def name() -> str:
