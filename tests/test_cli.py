@@ -232,34 +232,26 @@ def _assert_bad_input(completed: subprocess.CompletedProcess[str], *fragments: s
         assert fragment in lines[0]
 
 
-# A refusal comes before harbor's machinery loads (a second of CPU), but for the sandbox
-# check's: it loads wmo_trio.sandbox, which is a harbor environment too.
-BEFORE_HARBOR, AFTER_HARBOR = True, False
-
-
 @pytest.mark.parametrize(
-    ("args", "env", "fragments", "before_harbor"),
+    ("args", "env", "fragments"),
     [
-        (["-p", "no/such/tasks"], {}, ["no/such/tasks does not exist"], BEFORE_HARBOR),
-        (["--harness", "bad.json"], {}, ["bad.json", "param:max-turns"], BEFORE_HARBOR),
-        (["-m", "openia/gpt"], {}, ["unknown provider kind 'openia'", "anthropic", "scripted"],
-         BEFORE_HARBOR),
-        (["-m", "anthropic/claude-sonnet-4-5"], {}, ["ANTHROPIC_API_KEY"], BEFORE_HARBOR),
-        (["-e", "docker"], {"PATH": "/nonexistent"}, ["Docker daemon", "LocalEnvironment"],
-         BEFORE_HARBOR),
-        (["-m", "offline"], {}, ["must be kind/model"], BEFORE_HARBOR),
+        (["-p", "no/such/tasks"], {}, ["no/such/tasks does not exist"]),
+        (["--harness", "bad.json"], {}, ["bad.json", "param:max-turns"]),
+        (["-m", "openia/gpt"], {}, ["unknown provider kind 'openia'", "anthropic", "scripted"]),
+        (["-m", "anthropic/claude-sonnet-4-5"], {}, ["ANTHROPIC_API_KEY"]),
+        (["-e", "docker"], {"PATH": "/nonexistent"}, ["Docker daemon", "LocalEnvironment"]),
+        (["-m", "offline"], {}, ["must be kind/model"]),
         (["--backend", "sandbox"], {"PATH": "/nonexistent"},
-         ["harness_backend='sandbox' cannot run on this machine", "bwrap"], AFTER_HARBOR),
-        (["--backend", "cloud"], {}, ["harness_backend must be one of 'local', 'e2b', 'sandbox'"],
-         BEFORE_HARBOR),
+         ["harness_backend='sandbox' cannot run on this machine", "bwrap"]),
+        (["--backend", "cloud"], {}, ["harness_backend must be one of 'local', 'e2b', 'sandbox'"]),
     ],
     ids=["tasks", "document", "provider-kind", "api-key", "docker", "kind/model", "sandbox",
          "backend"],
 )
 def test_bad_input_is_one_line_exit_2_and_starts_nothing(
     tmp_path: Path, args: list[str], env: dict[str, str], fragments: list[str],
-    before_harbor: bool,
 ) -> None:
+    """Each refusal comes before harbor's machinery loads (a second of CPU)."""
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"name": "b", "surfaces": [
         {"id": "prompt:core", "kind": "prompt", "content": "x"},
@@ -272,7 +264,7 @@ def test_bad_input_is_one_line_exit_2_and_starts_nothing(
     _assert_bad_input(completed, *fragments)
     assert not (tmp_path / "jobs").exists()
     harbor = set(json.loads(imports.read_text()))
-    assert (harbor <= HARBORS_PLAIN_MODULES) == before_harbor, sorted(harbor)
+    assert harbor <= HARBORS_PLAIN_MODULES, sorted(harbor)
 
 
 # Every other refusal, in one process: what it says, and that harbor's machinery is still
@@ -291,8 +283,13 @@ for case, fields in json.loads(sys.argv[1]).items():
                                         **fields}))
     except BadInput as error:
         said[case] = str(error)
-print(json.dumps({"said": said, "harbor": sorted(
-    m for m in sys.modules if m == "harbor" or m.startswith("harbor."))}))
+def harbor():
+    return sorted(m for m in sys.modules if m == "harbor" or m.startswith("harbor."))
+refused = harbor()
+# What the probe would see if a refusal had loaded it: the config of options that pass.
+build_job_config(RunOptions(paths=[examples_dir() / "tasks" / "hello-file"],
+                            environment="wmo_trio.harbor:LocalEnvironment"))
+print(json.dumps({"said": said, "harbor": refused, "then": harbor()}))
 """
 
 
@@ -324,6 +321,7 @@ def test_every_refusal_comes_before_harbor_loads(tmp_path: Path) -> None:
     for case, (_, fragment) in cases.items():
         assert fragment in found["said"].get(case, "(not refused)"), (case, found["said"])
     assert set(found["harbor"]) <= HARBORS_PLAIN_MODULES, found["harbor"]
+    assert "harbor.models.job.config" in found["then"]
 
 
 def test_an_invalid_document_is_bad_input_for_doc_commands(tmp_path: Path) -> None:

@@ -25,15 +25,17 @@ import json
 import os
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import outcome
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, NonNegativeInt
 
-from wmo_trio.episode.log import EpisodeLog
 from wmo_trio.models import JsonObject, RunResult, Step, StopReason, TokenUsage, count_tool_steps
 from wmo_trio.text import valid_text
+
+if TYPE_CHECKING:
+    from wmo_trio.episode.log import EpisodeLog
 
 TRACE_FILENAME = "wmo-run.json"
 CANCELLED_BY_HARBOR_TIMEOUT = "cancelled-by-harbor-timeout"

@@ -6,8 +6,8 @@
 - `run_job`: run a harbor `Job` from a trio program, trio owning the loop.
 
 `LocalEnvironment` and `run_job` are imported on first use: a process that only loads the
-agent (harbor with another environment, `wmo-trio run` checking its options) does not
-import the sandbox.
+agent (harbor with another environment) does not import the sandbox. (`wmo-trio run`
+checks the agent's arguments without this package: `wmo_trio.agent_arguments`.)
 """
 
 from __future__ import annotations

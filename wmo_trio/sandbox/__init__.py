@@ -11,12 +11,23 @@ Module by job: `_dockerfile` reads Dockerfiles, `_image` builds and caches image
 in them, `_transfer` copies files, `_hostfs` is the host's rule for paths a trial or a
 build wrote, `_helper` is the process inside every sandbox,
 `_environment` is harbor's interface.
+
+`LocalEnvironment` is imported on first use, as it brings harbor's environment classes:
+checking whether this machine can run sandboxes, or listing the image cache, does not
+load harbor.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from wmo_trio._lazy import lazy_exports
 from wmo_trio.sandbox._dockerfile import DockerfileError
-from wmo_trio.sandbox._environment import LocalEnvironment
 from wmo_trio.sandbox._image import BuildError, CachedImage, ImageCache, default_cache_dir
 from wmo_trio.sandbox._namespace import SandboxUnavailableError
+
+if TYPE_CHECKING:
+    from wmo_trio.sandbox._environment import LocalEnvironment
 
 __all__ = [
     "BuildError",
@@ -27,3 +38,5 @@ __all__ = [
     "SandboxUnavailableError",
     "default_cache_dir",
 ]
+
+__getattr__ = lazy_exports(__name__, {"LocalEnvironment": "wmo_trio.sandbox._environment"})
