@@ -215,8 +215,10 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             f"Real harbor job: {job['n']} trials of `hello-file` at `-n {job['n']}`, docker-free "
             f"environment, {job['latency_s']:g} s per model call"
-            + (" (quick run: the three jobs side by side, each row its own job's wall time "
-               "from their common start)." if job.get("side_by_side") else "."),
+            + (" (smoke run: the two harbor-CLI jobs through harbor's CLI in one process, one "
+               "after the other, beside `wmo-trio run`)." if job.get("harbor_cli_in_process")
+               else " (quick run: the three jobs side by side, each row its own job's wall "
+               "time from their common start)." if job.get("side_by_side") else "."),
             "",
             "| agent / host | wall | mean agent phase | agent overhead per trial | mean reward |",
             "|---|---:|---:|---:|---:|",

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import importlib
 import json
 import os
 import resource
@@ -67,6 +68,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 IMPLS = ("baseline", "thread", "guest", "trio-asyncio", "research", "sdk-alone")
 PROVIDERS = ("anthropic", "openai", "scripted")
+SDK_PROVIDERS = ("anthropic", "openai")  # each its SDK, of the same name
 API_KEY_ENV = "WMO_BENCH_ANTHROPIC_KEY"
 OPENAI_KEY_ENV = "WMO_BENCH_OPENAI_KEY"
 MODEL = "claude-bench"
@@ -597,9 +599,8 @@ def run_burst(burst: Burst) -> dict[str, Any]:
     os.environ.setdefault(API_KEY_ENV, "bench-key")
     os.environ.setdefault(OPENAI_KEY_ENV, "bench-key")
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # else litellm goes online
-    # loaded before the burst, as after a process's first trial
-    import anthropic  # noqa: F401
-    import openai  # noqa: F401
+    if burst.provider in SDK_PROVIDERS:  # its SDK loaded before the burst, as after a first trial
+        importlib.import_module(burst.provider)
 
     host_beat = Heartbeat() if burst.impl not in ("research", "sdk-alone") else None
     trio_beat = Heartbeat() if burst.impl != "baseline" else None
@@ -708,13 +709,14 @@ def run_burst(burst: Burst) -> dict[str, Any]:
 
 def _command(impls: tuple[str, ...], bursts: list[tuple[str, int]], profile: Profile,
              base_url: str, cap_s: float, sdk_calls: int = 0,
-             skip_model_parsing: bool = False) -> list[str]:
+             skip_model_parsing: bool = False, split: tuple[str, int] | None = None) -> list[str]:
     return [sys.executable, "-W", "ignore", "-m", "benchmarks.traffic", "run",
             *(f"--impl={impl}" for impl in impls),
             *(f"--burst={provider}:{n}" for provider, n in bursts), "--base-url", base_url,
             "--model-s", repr(profile.model_s), "--command-s", repr(profile.command_s),
             "--cap", repr(cap_s), *((f"--sdk-calls={sdk_calls}",) if sdk_calls else ()),
-            *(("--skip-model-parsing",) if skip_model_parsing else ())]
+            *(("--skip-model-parsing",) if skip_model_parsing else ()),
+            *((f"--split={split[0]}:{split[1]}",) if split else ())]
 
 
 def _use_host(impl: str, env: MutableMapping[str, str]) -> None:
@@ -865,40 +867,45 @@ def split_processes() -> int:
 
 def _smoke(impls: tuple[str, ...], bursts: list[tuple[str, int]], profile: Profile, server: Any,
            cap: float, log: Callable[[str], None]) -> dict[str, Any]:
-    """A smoke run's `sdk`, `server`, `runs` and `split`, in `split_processes() + 1`
+    """A smoke run's `sdk`, `server`, `runs` and `split`, in `split_processes()`
     interpreters instead of a quick run's thirteen: each interpreter's imports (the SDKs',
-    litellm's) cost more than all of its episodes, and a smoke run checks that every
-    figure is produced, not what a process costs. One interpreter measures the SDKs' own
-    cost, then runs every implementation's bursts one after the other (trio-asyncio,
-    which changes asyncio's loop policy for the process, last); its `anthropic` runs of
-    `thread` and `research` are the split's single-interpreter layout. The split's other
-    layout keeps one interpreter per core side by side, each running both of
-    `SPLIT_IMPLS` one after the other. Every agent is constructed as a harbor job run with
-    `--skip-model-parsing-and-provider-mapping` (as the README runs one) constructs it, so
-    no interpreter imports litellm to look the model name up."""
+    harbor's) cost more than all of its episodes, and a smoke run checks that every figure
+    is produced, not what a process costs. The first interpreter measures the SDKs' own
+    cost, then runs every implementation's bursts one after the other, with its share of
+    the split's per-core layout before trio-asyncio (which changes asyncio's loop policy
+    for the process) comes last; its `anthropic` runs of `thread` and `research` are the
+    split's single-interpreter layout. Then each other interpreter of the per-core layout
+    runs its share: both of `SPLIT_IMPLS`, one after the other. The server's counters are
+    read after all of them (every model-driven episode's calls). Every agent is
+    constructed as a harbor job run with `--skip-model-parsing-and-provider-mapping` (as
+    the README runs one) constructs it, so no interpreter imports litellm to look the
+    model name up."""
     order = tuple(sorted(impls, key=lambda impl: impl == "trio-asyncio"))
-    log(f"SDK cost per call, then all bursts of {', '.join(order)} in one interpreter ...")
+    processes = split_processes()
+    share = ("anthropic", 1)
+    log(f"SDK cost per call, then all bursts of {', '.join(order)} in one interpreter, with its "
+        f"share of anthropic x {processes} as {processes} x 1 ...")
     load = os.getloadavg()
     server.stats(reset=True)
-    share = MachineShare()
+    machine_share = MachineShare()
     process = subprocess.Popen(
-        _command(order, bursts, profile, server.base_url, cap, sdk_calls=10, skip_model_parsing=True),
+        _command(order, bursts, profile, server.base_url, cap, sdk_calls=2, skip_model_parsing=True,
+                 split=share),
         cwd=ROOT, env=_environ("thread"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = process.communicate(timeout=2 * cap * len(order) * len(bursts) + 300)
+    out, err = process.communicate(timeout=2 * cap * (len(order) * len(bursts) + 2) + 300)
     if process.returncode != 0:
         raise RuntimeError(f"the smoke traffic run failed:\n{err[-3000:]}")
     ran: dict[str, Any] = json.loads(out)
-    stats = server.stats()
-    machine = share.figures(stats["cpu_s"])
+    machine = machine_share.figures(server.stats()["cpu_s"])
     runs = [{**run, "load_before": load, "machine": machine} for run in ran["runs"]]
-    processes = split_processes()
-    log(f"anthropic x {processes} as {processes} x 1: {', '.join(SPLIT_IMPLS)} ...")
-    burst = [("anthropic", 1)]
+    log(f"the other {processes - 1} of anthropic x {processes} as {processes} x 1: "
+        f"{', '.join(SPLIT_IMPLS)} ...")
     running = [subprocess.Popen(
-        _command(SPLIT_IMPLS, burst, profile, server.base_url, cap, skip_model_parsing=True),
+        _command(SPLIT_IMPLS, [share], profile, server.base_url, cap, skip_model_parsing=True),
         cwd=ROOT, env=_environ("thread"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(processes)]
-    spread = [_finish(process, 4 * cap + 300, SPLIT_IMPLS, burst) for process in running]
+        for _ in range(processes - 1)]
+    spread = [ran["split"], *(_finish(process, 4 * cap + 300, SPLIT_IMPLS, [share])
+                              for process in running)]
     split = []
     for impl in SPLIT_IMPLS:
         split.append({"impl": impl, "processes": processes, "episodes": processes,
@@ -906,7 +913,7 @@ def _smoke(impls: tuple[str, ...], bursts: list[tuple[str, int]], profile: Profi
         single = [run for run in ran["runs"]
                   if (run["impl"], run["provider"], run["n"]) == (impl, "anthropic", processes)]
         split.append({"impl": impl, "processes": 1, "episodes": processes, "runs": single})
-    return {"sdk": ran["sdk"], "server": stats, "runs": runs, "split": split}
+    return {"sdk": ran["sdk"], "server": server.stats(), "runs": runs, "split": split}
 
 
 def split_runs(profile: Profile, server: Any, cap: float, log: Callable[[str], None], *,
@@ -1033,6 +1040,10 @@ def main() -> None:
     one.add_argument("--sdk-calls", type=int, default=0,
                      help="first measure the SDKs' own cost (benchmarks/sdk_cost.py) with this "
                           "many calls; then prints {\"sdk\": ..., \"runs\": [...]}")
+    one.add_argument("--split", metavar="PROVIDER:N",
+                     help="(a smoke run) also each of the split's implementations at this burst, "
+                          "before trio-asyncio; then prints {\"sdk\": ..., \"runs\": [...], "
+                          "\"split\": [...]}")
     one.add_argument("--skip-model-parsing", action="store_true",
                      help="construct the agents as harbor's --skip-model-parsing-and-provider-"
                           "mapping does: no litellm lookup (and import) of the model name")
@@ -1051,12 +1062,18 @@ def main() -> None:
     everything.add_argument("--cap", type=float, help="as for run (default 30x ideal)")
     args = parser.parse_args()
     if args.command == "run":
-        bursts = []
-        for spec in args.burst:
+        def burst_of(option: str, spec: str) -> tuple[str, int]:
             provider, _, n = spec.partition(":")
             if provider not in PROVIDERS or not n.isdigit() or int(n) < 1:
-                parser.error(f"--burst {spec}: expected PROVIDER:N, PROVIDER one of {PROVIDERS}")
-            bursts.append((provider, int(n)))
+                parser.error(f"{option} {spec}: expected PROVIDER:N, PROVIDER one of {PROVIDERS}")
+            return provider, int(n)
+
+        bursts = [burst_of("--burst", spec) for spec in args.burst]
+        # (implementation, its bursts, where its runs are printed)
+        plan = [(impl, bursts, "runs") for impl in args.impl]
+        if args.split:  # before trio-asyncio, which changes asyncio's loop policy for good
+            last = next((i for i, (impl, _, _) in enumerate(plan) if impl == "trio-asyncio"), len(plan))
+            plan[last:last] = [(impl, [burst_of("--split", args.split)], "split") for impl in SPLIT_IMPLS]
         sdk = None
         if args.sdk_calls:  # before anything here imports an SDK: it measures the import
             from benchmarks import sdk_cost
@@ -1066,18 +1083,21 @@ def main() -> None:
             reset = urllib.request.Request(args.base_url + "/stats/reset", method="POST")
             with urllib.request.urlopen(reset, timeout=60):
                 pass
-        results = []
-        for impl in args.impl:
+        printed: dict[str, list[dict[str, Any]]] = {"runs": [], "split": []}
+        for impl, its_bursts, key in plan:
             _use_host(impl, os.environ)
-            for provider, n in bursts:
+            for provider, n in its_bursts:
                 if not runs_provider(impl, provider):
                     continue
                 with tempfile.TemporaryDirectory(prefix="wmo-bench-traffic-") as scratch:
                     burst = Burst(impl, provider, n, Profile(args.model_s, args.command_s),
                                   args.base_url, args.cap, Path(scratch), Progress(n),
                                   skip_model_parsing=args.skip_model_parsing)
-                    results.append(run_burst(burst))
-        json.dump(results if sdk is None else {"sdk": sdk, "runs": results}, sys.stdout)
+                    printed[key].append(run_burst(burst))
+        if sdk is None and not args.split:
+            json.dump(printed["runs"], sys.stdout)
+        else:
+            json.dump({"sdk": sdk, **printed}, sys.stdout)
         return
     defaults = QUICK_SIZES if args.quick else FULL_SIZES
     sizes = {provider: (args.sizes or defaults[provider]) if provider in args.providers else []

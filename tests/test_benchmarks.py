@@ -97,8 +97,10 @@ def check_traffic(traffic: dict[str, Any]) -> None:
     for entry in split:
         assert len(entry["runs"]) == entry["processes"], entry
         assert sum(run["submitted"] for run in entry["runs"]) == entry["episodes"], entry
-    # Every model call of the anthropic and openai runs reached the server: 5 per episode.
-    episodes = sum(r["n"] for r in traffic["runs"] if r["provider"] != "scripted")
+    # Every model call of the anthropic and openai runs, and of the split's per-core layout's
+    # (its single interpreter is those runs), reached the server: 5 per episode.
+    episodes = sum(r["n"] for r in traffic["runs"] if r["provider"] != "scripted") + sum(
+        run["n"] for entry in split if entry["processes"] > 1 for run in entry["runs"])
     assert traffic["server"]["requests"] == 5 * episodes
     assert traffic["server"]["tool_uses"] == {"bash": 4 * episodes, "submit": episodes}
     for run in traffic["runs"]:
