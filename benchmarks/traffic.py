@@ -65,6 +65,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.forked import Forked
+
 ROOT = Path(__file__).resolve().parent.parent
 IMPLS = ("baseline", "thread", "guest", "trio-asyncio", "research", "sdk-alone")
 PROVIDERS = ("anthropic", "openai", "scripted")
@@ -867,53 +869,44 @@ def split_processes() -> int:
 
 def _smoke(impls: tuple[str, ...], bursts: list[tuple[str, int]], profile: Profile, server: Any,
            cap: float, log: Callable[[str], None]) -> dict[str, Any]:
-    """A smoke run's `sdk`, `server`, `runs` and `split`, in `split_processes()`
-    interpreters instead of a quick run's thirteen: each interpreter's imports (the SDKs',
-    harbor's) cost more than all of its episodes, and a smoke run checks that every figure
-    is produced, not what a process costs. The first interpreter measures the SDKs' own
-    cost, then runs every implementation's bursts one after the other, with its share of
-    the split's per-core layout before trio-asyncio (which changes asyncio's loop policy
-    for the process) comes last; its `anthropic` runs of `thread` and `research` are the
-    split's single-interpreter layout. Then each other interpreter of the per-core layout
-    runs its share: both of `SPLIT_IMPLS`, one after the other. The server's counters are
-    read after all of them (every model-driven episode's calls). Every agent is
-    constructed as a harbor job run with `--skip-model-parsing-and-provider-mapping` (as
-    the README runs one) constructs it, so no interpreter imports litellm to look the
-    model name up."""
+    """A smoke run's `sdk`, `server`, `runs` and `split`, in one interpreter instead of a
+    quick run's thirteen: each interpreter's imports (the SDKs', harbor's) cost more than
+    all of its episodes, and a smoke run checks that every figure is produced, not what a
+    process costs. It measures the SDKs' own cost, then runs every implementation's bursts
+    one after the other (trio-asyncio, which changes asyncio's loop policy for the
+    process, last); its `anthropic` runs of `thread` and `research` are the split's
+    single-interpreter layout. The per-core layout is this interpreter, running its share
+    before trio-asyncio, and forked copies of it (`--split`), made after the imports.
+    Every agent is constructed as a harbor job run with
+    `--skip-model-parsing-and-provider-mapping` (as the README runs one) constructs it,
+    so no interpreter imports litellm to look the model name up."""
     order = tuple(sorted(impls, key=lambda impl: impl == "trio-asyncio"))
     processes = split_processes()
-    share = ("anthropic", 1)
-    log(f"SDK cost per call, then all bursts of {', '.join(order)} in one interpreter, with its "
-        f"share of anthropic x {processes} as {processes} x 1 ...")
+    log(f"SDK cost per call, then all bursts of {', '.join(order)} in one interpreter, and "
+        f"anthropic x {processes} as {processes} x 1 ...")
     load = os.getloadavg()
     server.stats(reset=True)
-    machine_share = MachineShare()
+    share = MachineShare()
     process = subprocess.Popen(
         _command(order, bursts, profile, server.base_url, cap, sdk_calls=2, skip_model_parsing=True,
-                 split=share),
+                 split=("anthropic", 1)),
         cwd=ROOT, env=_environ("thread"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = process.communicate(timeout=2 * cap * (len(order) * len(bursts) + 2) + 300)
     if process.returncode != 0:
         raise RuntimeError(f"the smoke traffic run failed:\n{err[-3000:]}")
     ran: dict[str, Any] = json.loads(out)
-    machine = machine_share.figures(server.stats()["cpu_s"])
+    # the per-core layout's calls are counted too: 5 a model-driven episode
+    stats = server.stats()
+    machine = share.figures(stats["cpu_s"])
     runs = [{**run, "load_before": load, "machine": machine} for run in ran["runs"]]
-    log(f"the other {processes - 1} of anthropic x {processes} as {processes} x 1: "
-        f"{', '.join(SPLIT_IMPLS)} ...")
-    running = [subprocess.Popen(
-        _command(SPLIT_IMPLS, [share], profile, server.base_url, cap, skip_model_parsing=True),
-        cwd=ROOT, env=_environ("thread"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(processes - 1)]
-    spread = [ran["split"], *(_finish(process, 4 * cap + 300, SPLIT_IMPLS, [share])
-                              for process in running)]
     split = []
     for impl in SPLIT_IMPLS:
         split.append({"impl": impl, "processes": processes, "episodes": processes,
-                      "runs": [run for each in spread for run in each if run["impl"] == impl]})
+                      "runs": [run for each in ran["split"] for run in each if run["impl"] == impl]})
         single = [run for run in ran["runs"]
                   if (run["impl"], run["provider"], run["n"]) == (impl, "anthropic", processes)]
         split.append({"impl": impl, "processes": 1, "episodes": processes, "runs": single})
-    return {"sdk": ran["sdk"], "server": server.stats(), "runs": runs, "split": split}
+    return {"sdk": ran["sdk"], "server": stats, "runs": runs, "split": split}
 
 
 def split_runs(profile: Profile, server: Any, cap: float, log: Callable[[str], None], *,
@@ -1031,6 +1024,33 @@ def failures(traffic: dict[str, Any]) -> list[str]:
             for run in runs if "failed" in run]
 
 
+def _run_one(impl: str, provider: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One burst of `impl` in this process, as `run`'s arguments describe it."""
+    _use_host(impl, os.environ)
+    with tempfile.TemporaryDirectory(prefix="wmo-bench-traffic-") as scratch:
+        return run_burst(Burst(impl, provider, n, Profile(args.model_s, args.command_s),
+                               args.base_url, args.cap, Path(scratch), Progress(n),
+                               skip_model_parsing=args.skip_model_parsing))
+
+
+def _fork_split_shares(share: tuple[str, int], args: argparse.Namespace) -> list[Forked]:
+    """The other interpreters of the split's per-core layout, as forked copies of this one
+    (a smoke run): started once the SDKs and what `SPLIT_IMPLS` run are imported, before
+    any burst starts a thread; each runs its share, both of `SPLIT_IMPLS` in turn."""
+    import trio  # noqa: F401 - for the copies
+
+    import wmo_trio  # noqa: F401
+    from wmo_trio.harbor import WmoTrioHarborAgent  # noqa: F401 - harbor's imports
+
+    importlib.import_module(share[0])
+    return [Forked(f"split share {index}", _split_share, share, args)
+            for index in range(1, split_processes())]
+
+
+def _split_share(share: tuple[str, int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [_run_one(impl, *share, args) for impl in SPLIT_IMPLS]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.traffic")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -1041,9 +1061,9 @@ def main() -> None:
                      help="first measure the SDKs' own cost (benchmarks/sdk_cost.py) with this "
                           "many calls; then prints {\"sdk\": ..., \"runs\": [...]}")
     one.add_argument("--split", metavar="PROVIDER:N",
-                     help="(a smoke run) also each of the split's implementations at this burst, "
-                          "before trio-asyncio; then prints {\"sdk\": ..., \"runs\": [...], "
-                          "\"split\": [...]}")
+                     help="(a smoke run) also the split's per-core layout at this burst a process: "
+                          "this interpreter, before trio-asyncio, and forked copies of it; then "
+                          "prints {\"sdk\": ..., \"runs\": [...], \"split\": [[...] a process]}")
     one.add_argument("--skip-model-parsing", action="store_true",
                      help="construct the agents as harbor's --skip-model-parsing-and-provider-"
                           "mapping does: no litellm lookup (and import) of the model name")
@@ -1071,9 +1091,10 @@ def main() -> None:
         bursts = [burst_of("--burst", spec) for spec in args.burst]
         # (implementation, its bursts, where its runs are printed)
         plan = [(impl, bursts, "runs") for impl in args.impl]
-        if args.split:  # before trio-asyncio, which changes asyncio's loop policy for good
+        share = burst_of("--split", args.split) if args.split else None
+        if share:  # before trio-asyncio, which changes asyncio's loop policy for good
             last = next((i for i, (impl, _, _) in enumerate(plan) if impl == "trio-asyncio"), len(plan))
-            plan[last:last] = [(impl, [burst_of("--split", args.split)], "split") for impl in SPLIT_IMPLS]
+            plan[last:last] = [(impl, [share], "split") for impl in SPLIT_IMPLS]
         sdk = None
         if args.sdk_calls:  # before anything here imports an SDK: it measures the import
             from benchmarks import sdk_cost
@@ -1083,21 +1104,17 @@ def main() -> None:
             reset = urllib.request.Request(args.base_url + "/stats/reset", method="POST")
             with urllib.request.urlopen(reset, timeout=60):
                 pass
+        copies = _fork_split_shares(share, args) if share else []
         printed: dict[str, list[dict[str, Any]]] = {"runs": [], "split": []}
         for impl, its_bursts, key in plan:
-            _use_host(impl, os.environ)
             for provider, n in its_bursts:
-                if not runs_provider(impl, provider):
-                    continue
-                with tempfile.TemporaryDirectory(prefix="wmo-bench-traffic-") as scratch:
-                    burst = Burst(impl, provider, n, Profile(args.model_s, args.command_s),
-                                  args.base_url, args.cap, Path(scratch), Progress(n),
-                                  skip_model_parsing=args.skip_model_parsing)
-                    printed[key].append(run_burst(burst))
-        if sdk is None and not args.split:
+                if runs_provider(impl, provider):
+                    printed[key].append(_run_one(impl, provider, n, args))
+        if sdk is None and not share:
             json.dump(printed["runs"], sys.stdout)
         else:
-            json.dump({"sdk": sdk, **printed}, sys.stdout)
+            shares = [printed["split"], *(copy.result(4 * args.cap + 300) for copy in copies)]
+            json.dump({"sdk": sdk, "runs": printed["runs"], "split": shares}, sys.stdout)
         return
     defaults = QUICK_SIZES if args.quick else FULL_SIZES
     sizes = {provider: (args.sizes or defaults[provider]) if provider in args.providers else []
