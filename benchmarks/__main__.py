@@ -91,6 +91,15 @@ def _smoke_engine(impl: str) -> dict[str, Any]:
     return engine.measure(impl, True, smoke=True)
 
 
+def fork_harbor_job() -> Forked:
+    """A smoke run's real harbor job: its three jobs through their CLIs in a forked copy of
+    this process, which imports harbor anyway (`harbor_job.run`)."""
+    from benchmarks import harbor_job
+
+    harbor_job.import_clis()
+    return Forked("real harbor job", harbor_job.run, True, True)
+
+
 def _fmt(value: float, unit: str) -> str:
     if value != value:  # NaN
         return "-"
@@ -231,10 +240,10 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             f"Real harbor job: {job['n']} trials of `hello-file` at `-n {job['n']}`, docker-free "
             f"environment, {job['latency_s']:g} s per model call"
-            + (" (smoke run: the two harbor-CLI jobs through harbor's CLI in one process, one "
-               "after the other, beside `wmo-trio run`)." if job.get("harbor_cli_in_process")
-               else " (quick run: the three jobs side by side, each row its own job's wall "
-               "time from their common start)." if job.get("side_by_side") else "."),
+            + (" (smoke run: the three jobs through their CLIs in one process, one after the "
+               "other)." if job.get("in_process")
+               else " (quick run: the three jobs side by side, each row its own job's wall time "
+               "from their common start)." if job.get("side_by_side") else "."),
             "",
             "| agent / host | wall | mean agent phase | agent overhead per trial | mean reward |",
             "|---|---:|---:|---:|---:|",
@@ -464,9 +473,13 @@ def main() -> None:
             args.quick, smoke=args.smoke,
             log=lambda line: print(f"real traffic: {line}", file=sys.stderr, flush=True))
 
+    # A smoke run's copies are forked before the traffic thread starts: a fork takes one.
     forked_engines: dict[str, Forked] = {}
     if "engine" in parts and "engine" not in results and args.smoke:
-        forked_engines = fork_engines()  # before the traffic thread: a fork takes one thread
+        forked_engines = fork_engines()
+    forked_job = None
+    if "harbor" in parts and "harbor_job" not in results and args.smoke:
+        forked_job = fork_harbor_job()
     background: threading.Thread | None = None
     if "traffic" in parts and args.quick:
         # Shape only: the traffic runs share the machine with the rest of the quick suite,
@@ -482,7 +495,7 @@ def main() -> None:
     if "harbor" in parts:
         from benchmarks import harbor_job, local_environment
 
-        if "harbor_job" not in results:
+        if "harbor_job" not in results and forked_job is None:
             print("real harbor job ...", file=sys.stderr, flush=True)
             results["harbor_job"] = harbor_job.run(args.quick, args.smoke)
             save()
@@ -497,6 +510,9 @@ def main() -> None:
         results["sandbox_backend"] = sandbox_backend.run(args.quick, args.smoke)
     if forked_engines:
         results["engine"] = {impl: forked.result(3600) for impl, forked in forked_engines.items()}
+        save()
+    if forked_job is not None:
+        results["harbor_job"] = forked_job.result(3600)
         save()
     if background is not None:
         background.join()
