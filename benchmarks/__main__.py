@@ -468,9 +468,11 @@ def main() -> None:
     def save() -> None:
         partial.write_text(json.dumps(results, indent=2))
 
+    smoke_traffic: traffic.SmokeRunner | None = None
+
     def run_traffic() -> None:
         results["traffic"] = traffic.suite(
-            args.quick, smoke=args.smoke,
+            args.quick, smoke=smoke_traffic,
             log=lambda line: print(f"real traffic: {line}", file=sys.stderr, flush=True))
 
     # A smoke run's copies are forked before the traffic thread starts: a fork takes one.
@@ -480,6 +482,8 @@ def main() -> None:
     forked_job = None
     if "harbor" in parts and "harbor_job" not in results and args.smoke:
         forked_job = fork_harbor_job()
+    if "traffic" in parts and "traffic" not in results and args.smoke:
+        smoke_traffic = traffic.SmokeRunner()  # the last: no other copy holds its orders' pipe
     background: threading.Thread | None = None
     if "traffic" in parts and args.quick:
         # Shape only: the traffic runs share the machine with the rest of the quick suite,

@@ -50,6 +50,7 @@ import asyncio
 import collections
 import importlib
 import json
+import multiprocessing
 import os
 import resource
 import subprocess
@@ -59,9 +60,11 @@ import threading
 import time
 import urllib.request
 import uuid
+import warnings
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -794,25 +797,36 @@ class MachineShare:
 
 
 def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
-          impls: tuple[str, ...] = IMPLS, cap_s: float | None = None, smoke: bool = False,
+          impls: tuple[str, ...] = IMPLS, cap_s: float | None = None,
+          smoke: SmokeRunner | None = None,
           log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """The whole scenario; see the module docstring. Ratios come from `markdown_rows`.
-    `smoke` (with `quick`): `smoke_sizes()`, in the fewest interpreters (`_smoke`)."""
-    from benchmarks import messages_server
-
+    `smoke` (with `quick`): `smoke_sizes()`, in the fewest interpreters (`_smoke`), this
+    runner's copy the first of them; it ends with the suite."""
     profile = QUICK if quick else FULL
-    sizes = sizes or (smoke_sizes() if smoke else QUICK_SIZES if quick else FULL_SIZES)
+    sizes = sizes or (smoke_sizes() if smoke is not None else QUICK_SIZES if quick else FULL_SIZES)
     # A cap ends a collapsed run and reports it (timed-out episodes) instead of hanging:
     # harbor's agent timeout for each trial, the whole fan-out for the research API. A
     # quick run only checks shape, so its cap is loose enough for a busy machine.
     cap = cap_s or max(profile.ideal_s * 30, 120.0 if quick else 0.0)
+    try:
+        return _suite(quick, profile, sizes, impls, cap, smoke, log)
+    finally:
+        if smoke is not None:
+            smoke.close()
+
+
+def _suite(quick: bool, profile: Profile, sizes: dict[str, list[int]], impls: tuple[str, ...],
+           cap: float, smoke: SmokeRunner | None, log: Callable[[str], None]) -> dict[str, Any]:
+    from benchmarks import messages_server
+
     messages_server.raise_open_files_limit()
     results: dict[str, Any] = {"profile": asdict(profile), "ideal_s": profile.ideal_s, "cap_s": cap,
                                "impls": list(impls), "load_before": os.getloadavg(), "runs": []}
     bursts = [(provider, n) for provider in PROVIDERS for n in sizes.get(provider, [])]
     with messages_server.serve(delay_s=profile.model_s, tool_calls=profile.tool_calls) as server:
-        if smoke:
-            results.update(_smoke(impls, bursts, profile, server, cap, log))
+        if smoke is not None:
+            results.update(_smoke(smoke, impls, bursts, profile, server, cap, log))
         elif quick:
             log("SDK cost per call ...")
             results["sdk"] = _sdk_cost(server.base_url, 100)
@@ -867,10 +881,11 @@ def split_processes() -> int:
     return max(2, os.cpu_count() or 1)
 
 
-def _smoke(impls: tuple[str, ...], bursts: list[tuple[str, int]], profile: Profile, server: Any,
-           cap: float, log: Callable[[str], None]) -> dict[str, Any]:
+def _smoke(runner: SmokeRunner, impls: tuple[str, ...], bursts: list[tuple[str, int]],
+           profile: Profile, server: Any, cap: float, log: Callable[[str], None]) -> dict[str, Any]:
     """A smoke run's `sdk`, `server`, `runs` and `split`, in one interpreter instead of a
-    quick run's thirteen: each interpreter's imports (the SDKs', harbor's) cost more than
+    quick run's thirteen (`runner`'s copy of the suite's process, which shares its harbor
+    and wmo_trio imports): each interpreter's imports (the SDKs', harbor's) cost more than
     all of its episodes, and a smoke run checks that every figure is produced, not what a
     process costs. It measures the SDKs' own cost, then runs every implementation's bursts
     one after the other (trio-asyncio, which changes asyncio's loop policy for the
@@ -887,14 +902,10 @@ def _smoke(impls: tuple[str, ...], bursts: list[tuple[str, int]], profile: Profi
     load = os.getloadavg()
     server.stats(reset=True)
     share = MachineShare()
-    process = subprocess.Popen(
+    ran: dict[str, Any] = runner.run(
         _command(order, bursts, profile, server.base_url, cap, sdk_calls=2, skip_model_parsing=True,
                  split=("anthropic", 1)),
-        cwd=ROOT, env=_environ("thread"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = process.communicate(timeout=2 * cap * (len(order) * len(bursts) + 2) + 300)
-    if process.returncode != 0:
-        raise RuntimeError(f"the smoke traffic run failed:\n{err[-3000:]}")
-    ran: dict[str, Any] = json.loads(out)
+        2 * cap * (len(order) * len(bursts) + 2) + 300)
     # the per-core layout's calls are counted too: 5 a model-driven episode
     stats = server.stats()
     machine = share.figures(stats["cpu_s"])
@@ -1024,6 +1035,49 @@ def failures(traffic: dict[str, Any]) -> list[str]:
             for run in runs if "failed" in run]
 
 
+class SmokeRunner:
+    """A smoke run's traffic interpreter: `run` in a forked copy of the suite's process,
+    forked before the suite starts any thread (the harbor and wmo_trio imports it shares
+    are then paid once; the SDKs' are not shared, `run` measures them), told its command
+    line once the server is up."""
+
+    def __init__(self) -> None:
+        from benchmarks import sdk_cost, traffic_baseline  # noqa: F401 - for the copy
+        from wmo_trio.harbor import WmoTrioHarborAgent  # noqa: F401 - harbor's imports
+
+        receive, self._orders = multiprocessing.get_context("fork").Pipe(duplex=False)
+        self._copy = Forked("the smoke traffic run", _run_ordered, receive, self._orders)
+        receive.close()
+        self._waited = False
+
+    def run(self, command: list[str], timeout_s: float) -> Any:
+        """`command` (as `_command` makes it) in the copy; what `run` would print."""
+        self._orders.send(command[command.index("run"):])
+        self._orders.close()
+        self._waited = True
+        return self._copy.result(timeout_s)
+
+    def close(self) -> None:
+        """The copy ends without a run, if it has not run one."""
+        self._orders.close()
+        if not self._waited:
+            self._waited = True
+            self._copy.result(60)
+
+
+def _run_ordered(orders: Connection, ours: Connection) -> Any:
+    ours.close()  # the parent's end, copied by the fork: else no end of orders is ever seen
+    try:
+        argv = orders.recv()
+    except EOFError:
+        return None
+    # as a quick run's traffic interpreter starts: `_environ("thread")`, `-W ignore`
+    os.environ.update(_environ("thread"))
+    _use_host("thread", os.environ)
+    warnings.simplefilter("ignore")
+    return _run(_parser().parse_args(argv))
+
+
 def _run_one(impl: str, provider: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     """One burst of `impl` in this process, as `run`'s arguments describe it."""
     _use_host(impl, os.environ)
@@ -1051,7 +1105,7 @@ def _split_share(share: tuple[str, int], args: argparse.Namespace) -> list[dict[
     return [_run_one(impl, *share, args) for impl in SPLIT_IMPLS]
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.traffic")
     commands = parser.add_subparsers(dest="command", required=True)
     one = commands.add_parser("run", help="one implementation at one size, in this process")
@@ -1080,41 +1134,50 @@ def main() -> None:
     everything.add_argument("--providers", choices=PROVIDERS, nargs="+", default=list(PROVIDERS))
     everything.add_argument("--impls", choices=IMPLS, nargs="+", default=list(IMPLS))
     everything.add_argument("--cap", type=float, help="as for run (default 30x ideal)")
+    return parser
+
+
+def _run(args: argparse.Namespace) -> Any:
+    """`run`: every burst of every implementation in this process; what it prints."""
+    def burst_of(option: str, spec: str) -> tuple[str, int]:
+        provider, _, n = spec.partition(":")
+        if provider not in PROVIDERS or not n.isdigit() or int(n) < 1:
+            _parser().error(f"{option} {spec}: expected PROVIDER:N, PROVIDER one of {PROVIDERS}")
+        return provider, int(n)
+
+    bursts = [burst_of("--burst", spec) for spec in args.burst]
+    # (implementation, its bursts, where its runs are printed)
+    plan = [(impl, bursts, "runs") for impl in args.impl]
+    share = burst_of("--split", args.split) if args.split else None
+    if share:  # before trio-asyncio, which changes asyncio's loop policy for good
+        last = next((i for i, (impl, _, _) in enumerate(plan) if impl == "trio-asyncio"), len(plan))
+        plan[last:last] = [(impl, [share], "split") for impl in SPLIT_IMPLS]
+    sdk = None
+    if args.sdk_calls:  # before anything here imports an SDK: it measures the import
+        from benchmarks import sdk_cost
+
+        sdk = sdk_cost.measure(args.base_url, args.sdk_calls)
+        # the server's counters then count the episodes' calls only, as in a quick run
+        reset = urllib.request.Request(args.base_url + "/stats/reset", method="POST")
+        with urllib.request.urlopen(reset, timeout=60):
+            pass
+    copies = _fork_split_shares(share, args) if share else []
+    printed: dict[str, list[dict[str, Any]]] = {"runs": [], "split": []}
+    for impl, its_bursts, key in plan:
+        for provider, n in its_bursts:
+            if runs_provider(impl, provider):
+                printed[key].append(_run_one(impl, provider, n, args))
+    if sdk is None and not share:
+        return printed["runs"]
+    shares = [printed["split"], *(copy.result(4 * args.cap + 300) for copy in copies)]
+    return {"sdk": sdk, "runs": printed["runs"], "split": shares}
+
+
+def main() -> None:
+    parser = _parser()
     args = parser.parse_args()
     if args.command == "run":
-        def burst_of(option: str, spec: str) -> tuple[str, int]:
-            provider, _, n = spec.partition(":")
-            if provider not in PROVIDERS or not n.isdigit() or int(n) < 1:
-                parser.error(f"{option} {spec}: expected PROVIDER:N, PROVIDER one of {PROVIDERS}")
-            return provider, int(n)
-
-        bursts = [burst_of("--burst", spec) for spec in args.burst]
-        # (implementation, its bursts, where its runs are printed)
-        plan = [(impl, bursts, "runs") for impl in args.impl]
-        share = burst_of("--split", args.split) if args.split else None
-        if share:  # before trio-asyncio, which changes asyncio's loop policy for good
-            last = next((i for i, (impl, _, _) in enumerate(plan) if impl == "trio-asyncio"), len(plan))
-            plan[last:last] = [(impl, [share], "split") for impl in SPLIT_IMPLS]
-        sdk = None
-        if args.sdk_calls:  # before anything here imports an SDK: it measures the import
-            from benchmarks import sdk_cost
-
-            sdk = sdk_cost.measure(args.base_url, args.sdk_calls)
-            # the server's counters then count the episodes' calls only, as in a quick run
-            reset = urllib.request.Request(args.base_url + "/stats/reset", method="POST")
-            with urllib.request.urlopen(reset, timeout=60):
-                pass
-        copies = _fork_split_shares(share, args) if share else []
-        printed: dict[str, list[dict[str, Any]]] = {"runs": [], "split": []}
-        for impl, its_bursts, key in plan:
-            for provider, n in its_bursts:
-                if runs_provider(impl, provider):
-                    printed[key].append(_run_one(impl, provider, n, args))
-        if sdk is None and not share:
-            json.dump(printed["runs"], sys.stdout)
-        else:
-            shares = [printed["split"], *(copy.result(4 * args.cap + 300) for copy in copies)]
-            json.dump({"sdk": sdk, "runs": printed["runs"], "split": shares}, sys.stdout)
+        json.dump(_run(args), sys.stdout)
         return
     defaults = QUICK_SIZES if args.quick else FULL_SIZES
     sizes = {provider: (args.sizes or defaults[provider]) if provider in args.providers else []

@@ -1,9 +1,10 @@
 """`make bench-quick` runs every scenario and produces its outputs (shape, not timings).
 
 The suite runs it as `--quick --smoke`: the same scenarios, implementations, providers and
-layouts, each at the fewest episodes that still give every figure and the real-traffic runs
-in the fewest interpreters (bench-quick's own sizes and processes cost over a hundred
-CPU-seconds, nearly all of it the same code at larger sizes and the SDKs' imports)."""
+layouts, each at the fewest episodes that still give every figure, in the fewest
+interpreters (forked copies of the suite's process where bench-quick starts one; its own
+sizes and processes cost over a hundred CPU-seconds, nearly all of it the same code at
+larger sizes and the imports of the SDKs and harbor)."""
 
 from __future__ import annotations
 
