@@ -24,10 +24,12 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from benchmarks import traffic
+from benchmarks.forked import Forked
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_IMPLS = ("baseline", "thread", "guest", "trio-asyncio")
@@ -46,15 +48,13 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
-def run_engines(quick: bool, smoke: bool = False) -> dict[str, dict[str, Any]]:
+def run_engines(quick: bool) -> dict[str, dict[str, Any]]:
     """Every implementation in its own interpreter: one after the other in a full run, so
     they never share the machine; side by side in a quick run, which checks shape only."""
     def start(impl: str) -> subprocess.Popen[str]:
         command = [sys.executable, "-W", "ignore", "-m", "benchmarks.engine", "--impl", impl]
         if quick:
             command.append("--quick")
-        if smoke:
-            command.append("--smoke")
         return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
@@ -73,6 +73,31 @@ def run_engines(quick: bool, smoke: bool = False) -> dict[str, dict[str, Any]]:
         print(f"engine scenarios: {impl} ...", file=sys.stderr, flush=True)
         results[impl] = finish(impl, start(impl))
     return results
+
+
+def fork_engines() -> dict[str, Forked]:
+    """A smoke run's engine scenarios: every implementation in a forked copy of this
+    process, side by side, started before this process runs any thread of its own; each
+    copy has imported the engine already, which a fresh interpreter would do again."""
+    from benchmarks import engine  # noqa: F401 - for the copies
+
+    return {impl: Forked(f"engine benchmark {impl}", _smoke_engine, impl) for impl in ENGINE_IMPLS}
+
+
+def _smoke_engine(impl: str) -> dict[str, Any]:
+    from benchmarks import engine
+
+    warnings.simplefilter("ignore")  # as `-W ignore` keeps a quick run's engines quiet
+    return engine.measure(impl, True, smoke=True)
+
+
+def fork_harbor_job() -> Forked:
+    """A smoke run's real harbor job: its three jobs through their CLIs in a forked copy of
+    this process, which imports harbor anyway (`harbor_job.run`)."""
+    from benchmarks import harbor_job
+
+    harbor_job.import_clis()
+    return Forked("real harbor job", harbor_job.run, True, True)
 
 
 def _fmt(value: float, unit: str) -> str:
@@ -215,7 +240,9 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             f"Real harbor job: {job['n']} trials of `hello-file` at `-n {job['n']}`, docker-free "
             f"environment, {job['latency_s']:g} s per model call"
-            + (" (quick run: the three jobs side by side, each row its own job's wall time "
+            + (" (smoke run: the three jobs through their CLIs in one process, one after the "
+               "other)." if job.get("in_process")
+               else " (quick run: the three jobs side by side, each row its own job's wall time "
                "from their common start)." if job.get("side_by_side") else "."),
             "",
             "| agent / host | wall | mean agent phase | agent overhead per trial | mean reward |",
@@ -441,19 +468,30 @@ def main() -> None:
     def save() -> None:
         partial.write_text(json.dumps(results, indent=2))
 
+    smoke_traffic: traffic.SmokeRunner | None = None
+
     def run_traffic() -> None:
         results["traffic"] = traffic.suite(
-            args.quick, smoke=args.smoke,
+            args.quick, smoke=smoke_traffic,
             log=lambda line: print(f"real traffic: {line}", file=sys.stderr, flush=True))
 
+    # A smoke run's copies are forked before the traffic thread starts: a fork takes one.
+    forked_engines: dict[str, Forked] = {}
+    if "engine" in parts and "engine" not in results and args.smoke:
+        forked_engines = fork_engines()
+    forked_job = None
+    if "harbor" in parts and "harbor_job" not in results and args.smoke:
+        forked_job = fork_harbor_job()
+    if "traffic" in parts and "traffic" not in results and args.smoke:
+        smoke_traffic = traffic.SmokeRunner()  # the last: no other copy holds its orders' pipe
     background: threading.Thread | None = None
     if "traffic" in parts and args.quick:
         # Shape only: the traffic runs share the machine with the rest of the quick suite,
         # which keeps the whole of it to a couple of minutes.
         background = threading.Thread(target=run_traffic, name="traffic")
         background.start()
-    if "engine" in parts and "engine" not in results:
-        results["engine"] = run_engines(args.quick, args.smoke)
+    if "engine" in parts and "engine" not in results and not forked_engines:
+        results["engine"] = run_engines(args.quick)
         save()
     if "traffic" in parts and background is None and "traffic" not in results:
         run_traffic()
@@ -461,7 +499,7 @@ def main() -> None:
     if "harbor" in parts:
         from benchmarks import harbor_job, local_environment
 
-        if "harbor_job" not in results:
+        if "harbor_job" not in results and forked_job is None:
             print("real harbor job ...", file=sys.stderr, flush=True)
             results["harbor_job"] = harbor_job.run(args.quick, args.smoke)
             save()
@@ -474,6 +512,12 @@ def main() -> None:
 
         print("sandbox backend ...", file=sys.stderr, flush=True)
         results["sandbox_backend"] = sandbox_backend.run(args.quick, args.smoke)
+    if forked_engines:
+        results["engine"] = {impl: forked.result(3600) for impl, forked in forked_engines.items()}
+        save()
+    if forked_job is not None:
+        results["harbor_job"] = forked_job.result(3600)
+        save()
     if background is not None:
         background.join()
         if "traffic" not in results:

@@ -374,27 +374,32 @@ def threads_after_idle(before: int, idle_s: float) -> int:
     return threading.active_count() - before
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=IMPLS, required=True)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--smoke", action="store_true", help="with --quick: the smallest sizes")
-    args = parser.parse_args()
+def measure(impl: str, quick: bool, smoke: bool = False) -> dict[str, Any]:
+    """Every scenario for `impl`, in this process (one implementation a process)."""
     before = threading.active_count()
-    if args.impl == "trio-asyncio":
+    if impl == "trio-asyncio":
         from wmo_trio.engine import run
 
-        results = run(scenarios, args.impl, args.quick, args.smoke)
+        results: dict[str, Any] = run(scenarios, impl, quick, smoke)
     else:
-        results = asyncio.run(scenarios(args.impl, args.quick, args.smoke))
-    if args.impl == "baseline":
+        results = asyncio.run(scenarios(impl, quick, smoke))
+    if impl == "baseline":
         # The original never shut its executor down; its threads stay until exit.
         results["threads_left_after_idle"] = threads_after_idle(before, 11.0)
         baseline.shutdown_executor()
     else:
         # trio's worker threads exit after 10 s idle; the engine thread with its loop.
         results["threads_left_after_idle"] = threads_after_idle(before, 11.0)
-    json.dump(results, sys.stdout)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", choices=IMPLS, required=True)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="with --quick: the smallest sizes")
+    args = parser.parse_args()
+    json.dump(measure(args.impl, args.quick, args.smoke), sys.stdout)
 
 
 if __name__ == "__main__":

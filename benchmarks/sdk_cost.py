@@ -28,6 +28,7 @@ from benchmarks.traffic_baseline import SYSTEM_PROMPT, TOOLS, request_body
 MODEL = "claude-bench"
 NO_DELAY = {"x-bench-delay-ms": "0"}
 WARM_UP = 20
+CLIENTS = 10  # constructed one after the other, for a client's own cost
 
 
 def cpu_s() -> float:
@@ -62,9 +63,14 @@ def chat_body() -> dict[str, Any]:
     return {"model": MODEL, "max_tokens": 4096, "tools": tools, "messages": messages}
 
 
+def warm_up(calls: int) -> int:
+    """Calls before a loop is timed: fewer only in a run of fewer calls (a smoke run)."""
+    return min(WARM_UP, calls)
+
+
 def timed(call: Callable[[], object], calls: int) -> tuple[float, float]:
     """(CPU, wall) seconds of `calls` sequential calls, after a warm-up."""
-    for _ in range(WARM_UP):
+    for _ in range(warm_up(calls)):
         call()
     before, wall = cpu_s(), time.perf_counter()
     for _ in range(calls):
@@ -73,7 +79,7 @@ def timed(call: Callable[[], object], calls: int) -> tuple[float, float]:
 
 
 async def timed_async(call: Callable[[], Awaitable[object]], calls: int) -> tuple[float, float]:
-    for _ in range(WARM_UP):
+    for _ in range(warm_up(calls)):
         await call()
     before, wall = cpu_s(), time.perf_counter()
     for _ in range(calls):
@@ -97,10 +103,11 @@ def measure_anthropic(base_url: str, calls: int) -> dict[str, Any]:
     before = cpu_s()
     client = anthropic.Anthropic(api_key="bench", base_url=base_url, max_retries=0)
     first_client_ms = (cpu_s() - before) * 1000  # finishes the SDK's lazy imports
+    clients = min(CLIENTS, calls)
     before = cpu_s()
-    for _ in range(10):
+    for _ in range(clients):
         anthropic.Anthropic(api_key="bench", base_url=base_url, max_retries=0).close()
-    client_ms = (cpu_s() - before) * 1000 / 10
+    client_ms = (cpu_s() - before) * 1000 / clients
     body = request_body(MODEL, conversation())
     with client:
         sync = timed(lambda: client.messages.create(**body, extra_headers=NO_DELAY), calls)

@@ -48,7 +48,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import importlib
 import json
+import multiprocessing
 import os
 import resource
 import subprocess
@@ -58,15 +60,20 @@ import threading
 import time
 import urllib.request
 import uuid
+import warnings
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+from benchmarks.forked import Forked
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPLS = ("baseline", "thread", "guest", "trio-asyncio", "research", "sdk-alone")
 PROVIDERS = ("anthropic", "openai", "scripted")
+SDK_PROVIDERS = ("anthropic", "openai")  # each its SDK, of the same name
 API_KEY_ENV = "WMO_BENCH_ANTHROPIC_KEY"
 OPENAI_KEY_ENV = "WMO_BENCH_OPENAI_KEY"
 MODEL = "claude-bench"
@@ -597,9 +604,8 @@ def run_burst(burst: Burst) -> dict[str, Any]:
     os.environ.setdefault(API_KEY_ENV, "bench-key")
     os.environ.setdefault(OPENAI_KEY_ENV, "bench-key")
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # else litellm goes online
-    # loaded before the burst, as after a process's first trial
-    import anthropic  # noqa: F401
-    import openai  # noqa: F401
+    if burst.provider in SDK_PROVIDERS:  # its SDK loaded before the burst, as after a first trial
+        importlib.import_module(burst.provider)
 
     host_beat = Heartbeat() if burst.impl not in ("research", "sdk-alone") else None
     trio_beat = Heartbeat() if burst.impl != "baseline" else None
@@ -708,13 +714,14 @@ def run_burst(burst: Burst) -> dict[str, Any]:
 
 def _command(impls: tuple[str, ...], bursts: list[tuple[str, int]], profile: Profile,
              base_url: str, cap_s: float, sdk_calls: int = 0,
-             skip_model_parsing: bool = False) -> list[str]:
+             skip_model_parsing: bool = False, split: tuple[str, int] | None = None) -> list[str]:
     return [sys.executable, "-W", "ignore", "-m", "benchmarks.traffic", "run",
             *(f"--impl={impl}" for impl in impls),
             *(f"--burst={provider}:{n}" for provider, n in bursts), "--base-url", base_url,
             "--model-s", repr(profile.model_s), "--command-s", repr(profile.command_s),
             "--cap", repr(cap_s), *((f"--sdk-calls={sdk_calls}",) if sdk_calls else ()),
-            *(("--skip-model-parsing",) if skip_model_parsing else ())]
+            *(("--skip-model-parsing",) if skip_model_parsing else ()),
+            *((f"--split={split[0]}:{split[1]}",) if split else ())]
 
 
 def _use_host(impl: str, env: MutableMapping[str, str]) -> None:
@@ -790,25 +797,36 @@ class MachineShare:
 
 
 def suite(quick: bool, *, sizes: dict[str, list[int]] | None = None,
-          impls: tuple[str, ...] = IMPLS, cap_s: float | None = None, smoke: bool = False,
+          impls: tuple[str, ...] = IMPLS, cap_s: float | None = None,
+          smoke: SmokeRunner | None = None,
           log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """The whole scenario; see the module docstring. Ratios come from `markdown_rows`.
-    `smoke` (with `quick`): `smoke_sizes()`, in the fewest interpreters (`_smoke`)."""
-    from benchmarks import messages_server
-
+    `smoke` (with `quick`): `smoke_sizes()`, in the fewest interpreters (`_smoke`), this
+    runner's copy the first of them; it ends with the suite."""
     profile = QUICK if quick else FULL
-    sizes = sizes or (smoke_sizes() if smoke else QUICK_SIZES if quick else FULL_SIZES)
+    sizes = sizes or (smoke_sizes() if smoke is not None else QUICK_SIZES if quick else FULL_SIZES)
     # A cap ends a collapsed run and reports it (timed-out episodes) instead of hanging:
     # harbor's agent timeout for each trial, the whole fan-out for the research API. A
     # quick run only checks shape, so its cap is loose enough for a busy machine.
     cap = cap_s or max(profile.ideal_s * 30, 120.0 if quick else 0.0)
+    try:
+        return _suite(quick, profile, sizes, impls, cap, smoke, log)
+    finally:
+        if smoke is not None:
+            smoke.close()
+
+
+def _suite(quick: bool, profile: Profile, sizes: dict[str, list[int]], impls: tuple[str, ...],
+           cap: float, smoke: SmokeRunner | None, log: Callable[[str], None]) -> dict[str, Any]:
+    from benchmarks import messages_server
+
     messages_server.raise_open_files_limit()
     results: dict[str, Any] = {"profile": asdict(profile), "ideal_s": profile.ideal_s, "cap_s": cap,
                                "impls": list(impls), "load_before": os.getloadavg(), "runs": []}
     bursts = [(provider, n) for provider in PROVIDERS for n in sizes.get(provider, [])]
     with messages_server.serve(delay_s=profile.model_s, tool_calls=profile.tool_calls) as server:
-        if smoke:
-            results.update(_smoke(impls, bursts, profile, server, cap, log))
+        if smoke is not None:
+            results.update(_smoke(smoke, impls, bursts, profile, server, cap, log))
         elif quick:
             log("SDK cost per call ...")
             results["sdk"] = _sdk_cost(server.base_url, 100)
@@ -863,46 +881,39 @@ def split_processes() -> int:
     return max(2, os.cpu_count() or 1)
 
 
-def _smoke(impls: tuple[str, ...], bursts: list[tuple[str, int]], profile: Profile, server: Any,
-           cap: float, log: Callable[[str], None]) -> dict[str, Any]:
-    """A smoke run's `sdk`, `server`, `runs` and `split`, in `split_processes() + 1`
-    interpreters instead of a quick run's thirteen: each interpreter's imports (the SDKs',
-    litellm's) cost more than all of its episodes, and a smoke run checks that every
-    figure is produced, not what a process costs. One interpreter measures the SDKs' own
-    cost, then runs every implementation's bursts one after the other (trio-asyncio,
-    which changes asyncio's loop policy for the process, last); its `anthropic` runs of
-    `thread` and `research` are the split's single-interpreter layout. The split's other
-    layout keeps one interpreter per core side by side, each running both of
-    `SPLIT_IMPLS` one after the other. Every agent is constructed as a harbor job run with
-    `--skip-model-parsing-and-provider-mapping` (as the README runs one) constructs it, so
-    no interpreter imports litellm to look the model name up."""
+def _smoke(runner: SmokeRunner, impls: tuple[str, ...], bursts: list[tuple[str, int]],
+           profile: Profile, server: Any, cap: float, log: Callable[[str], None]) -> dict[str, Any]:
+    """A smoke run's `sdk`, `server`, `runs` and `split`, in one interpreter instead of a
+    quick run's thirteen (`runner`'s copy of the suite's process, which shares its harbor
+    and wmo_trio imports): each interpreter's imports (the SDKs', harbor's) cost more than
+    all of its episodes, and a smoke run checks that every figure is produced, not what a
+    process costs. It measures the SDKs' own cost, then runs every implementation's bursts
+    one after the other (trio-asyncio, which changes asyncio's loop policy for the
+    process, last); its `anthropic` runs of `thread` and `research` are the split's
+    single-interpreter layout. The per-core layout is this interpreter, running its share
+    before trio-asyncio, and forked copies of it (`--split`), made after the imports.
+    Every agent is constructed as a harbor job run with
+    `--skip-model-parsing-and-provider-mapping` (as the README runs one) constructs it,
+    so no interpreter imports litellm to look the model name up."""
     order = tuple(sorted(impls, key=lambda impl: impl == "trio-asyncio"))
-    log(f"SDK cost per call, then all bursts of {', '.join(order)} in one interpreter ...")
+    processes = split_processes()
+    log(f"SDK cost per call, then all bursts of {', '.join(order)} in one interpreter, and "
+        f"anthropic x {processes} as {processes} x 1 ...")
     load = os.getloadavg()
     server.stats(reset=True)
     share = MachineShare()
-    process = subprocess.Popen(
-        _command(order, bursts, profile, server.base_url, cap, sdk_calls=10, skip_model_parsing=True),
-        cwd=ROOT, env=_environ("thread"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = process.communicate(timeout=2 * cap * len(order) * len(bursts) + 300)
-    if process.returncode != 0:
-        raise RuntimeError(f"the smoke traffic run failed:\n{err[-3000:]}")
-    ran: dict[str, Any] = json.loads(out)
+    ran: dict[str, Any] = runner.run(
+        _command(order, bursts, profile, server.base_url, cap, sdk_calls=2, skip_model_parsing=True,
+                 split=("anthropic", 1)),
+        2 * cap * (len(order) * len(bursts) + 2) + 300)
+    # the per-core layout's calls are counted too: 5 a model-driven episode
     stats = server.stats()
     machine = share.figures(stats["cpu_s"])
     runs = [{**run, "load_before": load, "machine": machine} for run in ran["runs"]]
-    processes = split_processes()
-    log(f"anthropic x {processes} as {processes} x 1: {', '.join(SPLIT_IMPLS)} ...")
-    burst = [("anthropic", 1)]
-    running = [subprocess.Popen(
-        _command(SPLIT_IMPLS, burst, profile, server.base_url, cap, skip_model_parsing=True),
-        cwd=ROOT, env=_environ("thread"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(processes)]
-    spread = [_finish(process, 4 * cap + 300, SPLIT_IMPLS, burst) for process in running]
     split = []
     for impl in SPLIT_IMPLS:
         split.append({"impl": impl, "processes": processes, "episodes": processes,
-                      "runs": [run for each in spread for run in each if run["impl"] == impl]})
+                      "runs": [run for each in ran["split"] for run in each if run["impl"] == impl]})
         single = [run for run in ran["runs"]
                   if (run["impl"], run["provider"], run["n"]) == (impl, "anthropic", processes)]
         split.append({"impl": impl, "processes": 1, "episodes": processes, "runs": single})
@@ -1024,7 +1035,77 @@ def failures(traffic: dict[str, Any]) -> list[str]:
             for run in runs if "failed" in run]
 
 
-def main() -> None:
+class SmokeRunner:
+    """A smoke run's traffic interpreter: `run` in a forked copy of the suite's process,
+    forked before the suite starts any thread (the harbor and wmo_trio imports it shares
+    are then paid once; the SDKs' are not shared, `run` measures them), told its command
+    line once the server is up."""
+
+    def __init__(self) -> None:
+        from benchmarks import sdk_cost, traffic_baseline  # noqa: F401 - for the copy
+        from wmo_trio.harbor import WmoTrioHarborAgent  # noqa: F401 - harbor's imports
+
+        receive, self._orders = multiprocessing.get_context("fork").Pipe(duplex=False)
+        self._copy = Forked("the smoke traffic run", _run_ordered, receive, self._orders)
+        receive.close()
+        self._waited = False
+
+    def run(self, command: list[str], timeout_s: float) -> Any:
+        """`command` (as `_command` makes it) in the copy; what `run` would print."""
+        self._orders.send(command[command.index("run"):])
+        self._orders.close()
+        self._waited = True
+        return self._copy.result(timeout_s)
+
+    def close(self) -> None:
+        """The copy ends without a run, if it has not run one."""
+        self._orders.close()
+        if not self._waited:
+            self._waited = True
+            self._copy.result(60)
+
+
+def _run_ordered(orders: Connection, ours: Connection) -> Any:
+    ours.close()  # the parent's end, copied by the fork: else no end of orders is ever seen
+    try:
+        argv = orders.recv()
+    except EOFError:
+        return None
+    # as a quick run's traffic interpreter starts: `_environ("thread")`, `-W ignore`
+    os.environ.update(_environ("thread"))
+    _use_host("thread", os.environ)
+    warnings.simplefilter("ignore")
+    return _run(_parser().parse_args(argv))
+
+
+def _run_one(impl: str, provider: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One burst of `impl` in this process, as `run`'s arguments describe it."""
+    _use_host(impl, os.environ)
+    with tempfile.TemporaryDirectory(prefix="wmo-bench-traffic-") as scratch:
+        return run_burst(Burst(impl, provider, n, Profile(args.model_s, args.command_s),
+                               args.base_url, args.cap, Path(scratch), Progress(n),
+                               skip_model_parsing=args.skip_model_parsing))
+
+
+def _fork_split_shares(share: tuple[str, int], args: argparse.Namespace) -> list[Forked]:
+    """The other interpreters of the split's per-core layout, as forked copies of this one
+    (a smoke run): started once the SDKs and what `SPLIT_IMPLS` run are imported, before
+    any burst starts a thread; each runs its share, both of `SPLIT_IMPLS` in turn."""
+    import trio  # noqa: F401 - for the copies
+
+    import wmo_trio  # noqa: F401
+    from wmo_trio.harbor import WmoTrioHarborAgent  # noqa: F401 - harbor's imports
+
+    importlib.import_module(share[0])
+    return [Forked(f"split share {index}", _split_share, share, args)
+            for index in range(1, split_processes())]
+
+
+def _split_share(share: tuple[str, int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [_run_one(impl, *share, args) for impl in SPLIT_IMPLS]
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.traffic")
     commands = parser.add_subparsers(dest="command", required=True)
     one = commands.add_parser("run", help="one implementation at one size, in this process")
@@ -1033,6 +1114,10 @@ def main() -> None:
     one.add_argument("--sdk-calls", type=int, default=0,
                      help="first measure the SDKs' own cost (benchmarks/sdk_cost.py) with this "
                           "many calls; then prints {\"sdk\": ..., \"runs\": [...]}")
+    one.add_argument("--split", metavar="PROVIDER:N",
+                     help="(a smoke run) also the split's per-core layout at this burst a process: "
+                          "this interpreter, before trio-asyncio, and forked copies of it; then "
+                          "prints {\"sdk\": ..., \"runs\": [...], \"split\": [[...] a process]}")
     one.add_argument("--skip-model-parsing", action="store_true",
                      help="construct the agents as harbor's --skip-model-parsing-and-provider-"
                           "mapping does: no litellm lookup (and import) of the model name")
@@ -1049,35 +1134,50 @@ def main() -> None:
     everything.add_argument("--providers", choices=PROVIDERS, nargs="+", default=list(PROVIDERS))
     everything.add_argument("--impls", choices=IMPLS, nargs="+", default=list(IMPLS))
     everything.add_argument("--cap", type=float, help="as for run (default 30x ideal)")
+    return parser
+
+
+def _run(args: argparse.Namespace) -> Any:
+    """`run`: every burst of every implementation in this process; what it prints."""
+    def burst_of(option: str, spec: str) -> tuple[str, int]:
+        provider, _, n = spec.partition(":")
+        if provider not in PROVIDERS or not n.isdigit() or int(n) < 1:
+            _parser().error(f"{option} {spec}: expected PROVIDER:N, PROVIDER one of {PROVIDERS}")
+        return provider, int(n)
+
+    bursts = [burst_of("--burst", spec) for spec in args.burst]
+    # (implementation, its bursts, where its runs are printed)
+    plan = [(impl, bursts, "runs") for impl in args.impl]
+    share = burst_of("--split", args.split) if args.split else None
+    if share:  # before trio-asyncio, which changes asyncio's loop policy for good
+        last = next((i for i, (impl, _, _) in enumerate(plan) if impl == "trio-asyncio"), len(plan))
+        plan[last:last] = [(impl, [share], "split") for impl in SPLIT_IMPLS]
+    sdk = None
+    if args.sdk_calls:  # before anything here imports an SDK: it measures the import
+        from benchmarks import sdk_cost
+
+        sdk = sdk_cost.measure(args.base_url, args.sdk_calls)
+        # the server's counters then count the episodes' calls only, as in a quick run
+        reset = urllib.request.Request(args.base_url + "/stats/reset", method="POST")
+        with urllib.request.urlopen(reset, timeout=60):
+            pass
+    copies = _fork_split_shares(share, args) if share else []
+    printed: dict[str, list[dict[str, Any]]] = {"runs": [], "split": []}
+    for impl, its_bursts, key in plan:
+        for provider, n in its_bursts:
+            if runs_provider(impl, provider):
+                printed[key].append(_run_one(impl, provider, n, args))
+    if sdk is None and not share:
+        return printed["runs"]
+    shares = [printed["split"], *(copy.result(4 * args.cap + 300) for copy in copies)]
+    return {"sdk": sdk, "runs": printed["runs"], "split": shares}
+
+
+def main() -> None:
+    parser = _parser()
     args = parser.parse_args()
     if args.command == "run":
-        bursts = []
-        for spec in args.burst:
-            provider, _, n = spec.partition(":")
-            if provider not in PROVIDERS or not n.isdigit() or int(n) < 1:
-                parser.error(f"--burst {spec}: expected PROVIDER:N, PROVIDER one of {PROVIDERS}")
-            bursts.append((provider, int(n)))
-        sdk = None
-        if args.sdk_calls:  # before anything here imports an SDK: it measures the import
-            from benchmarks import sdk_cost
-
-            sdk = sdk_cost.measure(args.base_url, args.sdk_calls)
-            # the server's counters then count the episodes' calls only, as in a quick run
-            reset = urllib.request.Request(args.base_url + "/stats/reset", method="POST")
-            with urllib.request.urlopen(reset, timeout=60):
-                pass
-        results = []
-        for impl in args.impl:
-            _use_host(impl, os.environ)
-            for provider, n in bursts:
-                if not runs_provider(impl, provider):
-                    continue
-                with tempfile.TemporaryDirectory(prefix="wmo-bench-traffic-") as scratch:
-                    burst = Burst(impl, provider, n, Profile(args.model_s, args.command_s),
-                                  args.base_url, args.cap, Path(scratch), Progress(n),
-                                  skip_model_parsing=args.skip_model_parsing)
-                    results.append(run_burst(burst))
-        json.dump(results if sdk is None else {"sdk": sdk, "runs": results}, sys.stdout)
+        json.dump(_run(args), sys.stdout)
         return
     defaults = QUICK_SIZES if args.quick else FULL_SIZES
     sizes = {provider: (args.sizes or defaults[provider]) if provider in args.providers else []

@@ -1,9 +1,10 @@
 """`make bench-quick` runs every scenario and produces its outputs (shape, not timings).
 
 The suite runs it as `--quick --smoke`: the same scenarios, implementations, providers and
-layouts, each at the fewest episodes that still give every figure and the real-traffic runs
-in the fewest interpreters (bench-quick's own sizes and processes cost over a hundred
-CPU-seconds, nearly all of it the same code at larger sizes and the SDKs' imports)."""
+layouts, each at the fewest episodes that still give every figure, in the fewest
+interpreters (forked copies of the suite's process where bench-quick starts one; its own
+sizes and processes cost over a hundred CPU-seconds, nearly all of it the same code at
+larger sizes and the imports of the SDKs and harbor)."""
 
 from __future__ import annotations
 
@@ -97,8 +98,10 @@ def check_traffic(traffic: dict[str, Any]) -> None:
     for entry in split:
         assert len(entry["runs"]) == entry["processes"], entry
         assert sum(run["submitted"] for run in entry["runs"]) == entry["episodes"], entry
-    # Every model call of the anthropic and openai runs reached the server: 5 per episode.
-    episodes = sum(r["n"] for r in traffic["runs"] if r["provider"] != "scripted")
+    # Every model call of the anthropic and openai runs, and of the split's per-core layout's
+    # (its single interpreter is those runs), reached the server: 5 per episode.
+    episodes = sum(r["n"] for r in traffic["runs"] if r["provider"] != "scripted") + sum(
+        run["n"] for entry in split if entry["processes"] > 1 for run in entry["runs"])
     assert traffic["server"]["requests"] == 5 * episodes
     assert traffic["server"]["tool_uses"] == {"bash": 4 * episodes, "submit": episodes}
     for run in traffic["runs"]:
