@@ -25,7 +25,16 @@ import pytest
 from console_scripts import run_in_one_process
 from doubles import untimed
 from openai_server import ChatCompletionsServer
-from provider_wires import FAST_RETRY, NESTED_TOO_DEEPLY, call, closing_all, request, tool_result, user
+from provider_wires import (
+    FAST_RETRY,
+    NESTED_TOO_DEEPLY,
+    call,
+    closing_all,
+    count_root_loads,
+    request,
+    tool_result,
+    user,
+)
 
 from wmo_trio.episode.environment import LocalDirEnvironment
 from wmo_trio.episode.runtime import EpisodeRuntime
@@ -510,6 +519,18 @@ def test_the_server_is_checked_once_per_process_and_configuration(
     make_provider(headers={"X-Title": "other"})
     assert len(server.requests) == 2
     assert server.requests[1].headers["x-title"] == "other"
+
+
+def test_a_check_of_another_server_loads_no_certificate_roots_again(
+        server: ChatCompletionsServer, make_provider: Callable[..., OpenAIProvider],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # urllib's HTTPS handler loads them as it is built, for an http:// server too: the
+    # checks of a process share one.
+    make_provider()
+    loads = count_root_loads(monkeypatch)
+    make_provider(headers={"X-Title": "other"})  # another check, of another configuration
+    assert loads == []
+    assert [(r.method, r.path) for r in server.requests] == [("GET", "/v1/models")] * 2
 
 
 def test_a_model_the_server_does_not_list_is_refused_naming_some_it_does() -> None:
