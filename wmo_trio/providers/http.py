@@ -219,8 +219,9 @@ class HTTPProvider[S: HTTPSettings](ClosesOnExit, ABC):
     def _new_client(self) -> Any:
         """Import the SDK and build a client: called in a worker thread. Both would stall
         the trio thread, which serves every episode's calls: the first import takes
-        seconds, and every client builds an SSL context (`benchmarks/sdk_cost.py`, run by
-        the real-traffic scenario of `benchmarks/traffic.py`, measures both)."""
+        seconds, and the first client builds the process's SSL context (`_tls_context`;
+        `benchmarks/sdk_cost.py`, run by the real-traffic scenario of
+        `benchmarks/traffic.py`, measures the import and an SDK client built alone)."""
         import httpx2
 
         sdk = importlib.import_module(self.sdk)
