@@ -9,6 +9,7 @@ once per backend); the cases only one kind has stay in tests/test_<kind>_provide
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -66,6 +67,24 @@ def closing_all[P: Provider](make: Callable[..., P]) -> Iterator[Callable[..., P
     yield tracked
     for provider in made:
         provider.close()
+
+
+def count_root_loads(monkeypatch: Any) -> list[str]:
+    """From now on, each load of certificate roots into an SSL context (the bulk of
+    building one, and of building an SDK client) appends its kind to the returned list."""
+    loads: list[str] = []
+
+    def counting(name: str) -> Callable[..., Any]:
+        original = getattr(ssl.SSLContext, name)
+
+        def counted(self: ssl.SSLContext, *args: Any, **kwargs: Any) -> Any:
+            loads.append(name)
+            return original(self, *args, **kwargs)
+        return counted
+
+    for name in ("load_verify_locations", "set_default_verify_paths"):
+        monkeypatch.setattr(ssl.SSLContext, name, counting(name))
+    return loads
 
 
 def interrupt_when(condition: Callable[[], bool], control: CallControl) -> threading.Thread:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from console_scripts import run_in_one_process
 from test_harbor_agent import (
     AGENT,
     HARNESS,
@@ -52,12 +53,17 @@ def harbor(*arguments: str) -> subprocess.CompletedProcess[str]:
     return completed
 
 
+def run_arguments(task: Path, jobs: Path, job_name: str, harness: Path, *extra: str,
+                  model: str = "scripted/offline") -> list[str]:
+    """The arguments of `harbor run` of the agent, as the README writes it."""
+    return ["run", "-p", str(task), "-a", AGENT, "-m", model, "-e", LOCAL_ENVIRONMENT,
+            "-o", str(jobs), "--job-name", job_name, "-y", "-q", SKIP_MODEL_LOOKUP,
+            "--ak", f"harness={harness}", "--ak", f"provider_config={OFFLINE}", *extra]
+
+
 def harbor_run(task: Path, jobs: Path, job_name: str, harness: Path, *extra: str,
                model: str = "scripted/offline") -> subprocess.CompletedProcess[str]:
-    """`harbor run` of the agent, as the README writes it."""
-    return harbor("run", "-p", str(task), "-a", AGENT, "-m", model, "-e", LOCAL_ENVIRONMENT,
-                  "-o", str(jobs), "--job-name", job_name, "-y", "-q", SKIP_MODEL_LOOKUP,
-                  "--ak", f"harness={harness}", "--ak", f"provider_config={OFFLINE}", *extra)
+    return harbor(*run_arguments(task, jobs, job_name, harness, *extra, model=model))
 
 
 def output_of(completed: subprocess.CompletedProcess[str]) -> str:
@@ -111,12 +117,9 @@ def first_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.harbor
 def test_the_same_document_at_another_path_and_reformatted_is_reused(
-    first_job: dict[str, Any], tmp_path: Path,
+    before_any_trial: dict[str, subprocess.CompletedProcess[str]],
 ) -> None:
-    elsewhere = tmp_path / "another name.json"
-    elsewhere.write_text(json.dumps(json.loads(HARNESS.read_text()), indent=5, sort_keys=True))
-    completed = harbor_run(first_job["task"], tmp_path / "jobs", "again", elsewhere,
-                           "--diff", str(first_job["job"]))
+    completed = before_any_trial["reuse"]
     text = one_line(completed)
     assert completed.returncode == 0, text[-3000:]
     assert "Reuse: 1/1" in text and "Nothing to execute." in text, text[-3000:]
@@ -179,8 +182,9 @@ def assert_no_trial_of_the_new_document_ran(job: dict[str, Any]) -> None:
 @pytest.mark.harbor
 def test_a_resumed_job_whose_document_changed_is_refused_in_one_line(
     job_of_another_document: dict[str, Any],
+    before_any_trial: dict[str, subprocess.CompletedProcess[str]],
 ) -> None:
-    completed = harbor("jobs", "resume", "-p", str(job_of_another_document["job"]))
+    completed = before_any_trial["resume"]
     text = one_line(completed)
     assert completed.returncode != 0, text[-3000:]
     assert len(output_of(completed).splitlines()) <= 10, output_of(completed)
@@ -192,10 +196,11 @@ def test_a_resumed_job_whose_document_changed_is_refused_in_one_line(
 @pytest.mark.harbor
 def test_a_run_into_the_directory_of_a_job_of_another_document_is_refused_in_one_line(
     job_of_another_document: dict[str, Any],
+    before_any_trial: dict[str, subprocess.CompletedProcess[str]],
 ) -> None:
     # harbor resumes a job whose directory exists: a changed document must not join it.
     job = job_of_another_document
-    completed = harbor_run(job["task"], job["root"] / "jobs", "job", job["harness"])
+    completed = before_any_trial["run-into"]
     text = one_line(completed)
     assert completed.returncode != 0, text[-3000:]
     assert len(output_of(completed).splitlines()) <= 10, output_of(completed)
@@ -226,28 +231,68 @@ def test_a_regraded_trial_keeps_the_document_that_produced_it(first_job: dict[st
 
 # -- 2 and 3. argument errors before the job -------------------------------------------
 
+EXAMPLE_TASK = REPO / "examples" / "tasks" / "hello-file"
+# Each mistake: the arguments it adds, the model it gives, and what its message names.
+ARGUMENT_ERRORS: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "model": ((), "scripted/other", "model_name"),
+    "agent-env": (("--ae", "SOME_NAME=value"), "scripted/offline", "agent environment"),
+    "misspelled": (("--ak", "episode_timeout=60"), "scripted/offline",
+                   "did you mean episode_timeout_sec?"),
+    "other-document": (("--ak", "doc_hash=0123456789abcdef0123456789abcdef"), "scripted/offline",
+                       "doc_hash"),
+}
+
 
 @pytest.mark.harbor
-@pytest.mark.parametrize(("extra", "model", "named"), [
-    ((), "scripted/other", "model_name"),
-    (("--ae", "SOME_NAME=value"), "scripted/offline", "agent environment"),
-    (("--ak", "episode_timeout=60"), "scripted/offline", "did you mean episode_timeout_sec?"),
-    (("--ak", "doc_hash=0123456789abcdef0123456789abcdef"), "scripted/offline", "doc_hash"),
-], ids=["model", "agent-env", "misspelled", "other-document"])
+@pytest.mark.parametrize("mistake", list(ARGUMENT_ERRORS))
 def test_an_argument_error_is_a_short_message_before_any_trial(
-    tmp_path: Path, extra: tuple[str, ...], model: str, named: str,
+    before_any_trial: dict[str, subprocess.CompletedProcess[str]], mistake: str,
 ) -> None:
     # issue 27.2/27.3: a 508-line traceback per job, one error per trial, a job directory
     # of failed trials; a misspelled name silently ignored.
-    completed = harbor_run(EXAMPLE_TASK, tmp_path / "jobs", "job", HARNESS, *extra, model=model)
+    completed = before_any_trial[mistake]
+    named = ARGUMENT_ERRORS[mistake][2]
     output = output_of(completed)
     assert completed.returncode != 0, output[-3000:]
     assert len(output.splitlines()) <= 10, output
     assert named in one_line(completed), output
-    assert not (tmp_path / "jobs" / "job").exists()  # no job, so no trial, was started
+    assert not (before_any_trial_jobs(completed) / "job").exists()  # no job, so no trial, was started
 
 
-EXAMPLE_TASK = REPO / "examples" / "tasks" / "hello-file"
+def before_any_trial_jobs(completed: subprocess.CompletedProcess[str]) -> Path:
+    """The jobs directory (`-o`) a command of `before_any_trial` was given."""
+    arguments = list(completed.args)
+    return Path(arguments[arguments.index("-o") + 1])
+
+
+@pytest.fixture(scope="module")
+def before_any_trial(
+    first_job: dict[str, Any], job_of_another_document: dict[str, Any],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """This module's harbor commands that end before any trial starts (a job with nothing
+    to execute, the refusals), each through harbor's own command line as its console script
+    runs it, one after another in one process (tests/console_scripts.py): each one's own
+    process would start harbor and import its modules again, over two CPU-seconds a command.
+    The reuse goes first, where nothing else has run in the process yet, as when run alone."""
+    root = tmp_path_factory.mktemp("before-any-trial")
+    elsewhere = root / "another name.json"
+    elsewhere.write_text(json.dumps(json.loads(HARNESS.read_text()), indent=5, sort_keys=True))
+    another = job_of_another_document
+    commands = {
+        "reuse": run_arguments(first_job["task"], root / "reuse", "again", elsewhere,
+                               "--diff", str(first_job["job"])),
+        "resume": ["jobs", "resume", "-p", str(another["job"])],
+        "run-into": run_arguments(another["task"], another["root"] / "jobs", "job",
+                                  another["harness"]),
+    }
+    for mistake, (extra, model, _named) in ARGUMENT_ERRORS.items():
+        commands[mistake] = run_arguments(EXAMPLE_TASK, root / mistake, "job", HARNESS, *extra,
+                                          model=model)
+    completed = run_in_one_process("harbor.cli.main:app", "harbor",
+                                   [(argv, harbor_env()) for argv in commands.values()],
+                                   cwd=REPO, timeout=JOB_TIMEOUT_S)
+    return dict(zip(commands, completed, strict=True))
 
 
 # -- the reach into harbor (wmo_trio.harbor._identity) ----------------------------------

@@ -22,9 +22,19 @@ from typing import Any
 
 import openai_server as api
 import pytest
+from console_scripts import run_in_one_process
 from doubles import untimed
 from openai_server import ChatCompletionsServer
-from provider_wires import FAST_RETRY, NESTED_TOO_DEEPLY, call, closing_all, request, tool_result, user
+from provider_wires import (
+    FAST_RETRY,
+    NESTED_TOO_DEEPLY,
+    call,
+    closing_all,
+    count_root_loads,
+    request,
+    tool_result,
+    user,
+)
 
 from wmo_trio.episode.environment import LocalDirEnvironment
 from wmo_trio.episode.runtime import EpisodeRuntime
@@ -511,6 +521,18 @@ def test_the_server_is_checked_once_per_process_and_configuration(
     assert server.requests[1].headers["x-title"] == "other"
 
 
+def test_a_check_of_another_server_loads_no_certificate_roots_again(
+        server: ChatCompletionsServer, make_provider: Callable[..., OpenAIProvider],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # urllib's HTTPS handler loads them as it is built, for an http:// server too: the
+    # checks of a process share one.
+    make_provider()
+    loads = count_root_loads(monkeypatch)
+    make_provider(headers={"X-Title": "other"})  # another check, of another configuration
+    assert loads == []
+    assert [(r.method, r.path) for r in server.requests] == [("GET", "/v1/models")] * 2
+
+
 def test_a_model_the_server_does_not_list_is_refused_naming_some_it_does() -> None:
     offered = ["Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-72B-Instruct", "meta-llama/Llama-3.1-8B",
                "mistral-7b", "phi-3", "gemma-2-9b", "deepseek-coder"]
@@ -771,22 +793,33 @@ def test_a_turn_that_failed_live_fails_alike_on_replay(
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def wmo_trio_run(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def wmo_trio_environment(**env: str) -> dict[str, str]:
     environment = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "OPENAI_BASE_URL")}
+    return {**environment, **env}
+
+
+def run_arguments(*args: str) -> list[str]:
+    """`wmo-trio run`'s arguments for the hello-file task, into ./jobs."""
+    return ["run", "-o", "jobs", "-p", str(ROOT / "examples/tasks/hello-file"), *args]
+
+
+def wmo_trio_run(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", "from wmo_trio.cli import main; main()", "run", "-o", "jobs",
-         "-p", str(ROOT / "examples/tasks/hello-file"), *args],
-        cwd=cwd, capture_output=True, text=True, timeout=300, env={**environment, **env})
+        [sys.executable, "-c", "from wmo_trio.cli import main; main()", *run_arguments(*args)],
+        cwd=cwd, capture_output=True, text=True, timeout=300, env=wmo_trio_environment(**env))
 
 
 @pytest.mark.slow
 def test_wmo_trio_run_refuses_a_missing_key_and_an_unreachable_server_in_one_line(tmp_path: Path) -> None:
-    missing_key = wmo_trio_run("-m", "openai/test-model", cwd=tmp_path, env={})
+    # Both refusals end before any job: one process runs the two commands, as its console
+    # script would (tests/console_scripts.py), and pays the command line's start once.
     with closed_port() as held:
-        unreachable = wmo_trio_run(
-            "-m", "openai/test-model", "--provider-config",
-            json.dumps({"base_url": f"http://127.0.0.1:{held.getsockname()[1]}/v1", "api_key_env": None}),
-            cwd=tmp_path, env={})
+        unreachable_config = {"base_url": f"http://127.0.0.1:{held.getsockname()[1]}/v1", "api_key_env": None}
+        missing_key, unreachable = run_in_one_process("wmo_trio.cli:main", "wmo-trio", [
+            (run_arguments("-m", "openai/test-model"), wmo_trio_environment()),
+            (run_arguments("-m", "openai/test-model", "--provider-config", json.dumps(unreachable_config)),
+             wmo_trio_environment()),
+        ], cwd=tmp_path, timeout=300)
     for completed, fragment in ((missing_key, "OPENAI_API_KEY"), (unreachable, "cannot reach base_url")):
         lines = [line for line in completed.stderr.splitlines() if line.strip()]
         assert completed.returncode == 2 and len(lines) == 1, completed.stderr
@@ -868,11 +901,14 @@ def test_wmo_trio_run_with_openai_model_runs_a_job_against_a_keyless_server(tmp_
     assert all("authorization" not in r.headers for r in requests)
 
 
-@pytest.mark.harbor
-@pytest.mark.parametrize("problem", ["no key", "no server"])
-def test_harbor_refuses_an_openai_model_it_cannot_use_before_any_trial(tmp_path: Path,
-                                                                      problem: str) -> None:
-    # harbor's own CLI: the agent's preflight says what is wrong, once, and no trial starts.
+Refusal = tuple[subprocess.CompletedProcess[str], Path]
+
+
+@pytest.fixture(scope="module")
+def harbor_refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Refusal]:
+    """`harbor run` of an openai model without its key, and without its server: each
+    refusal (and where its jobs would be), from harbor's own command line as its console
+    script runs it, the two one after another in one process (tests/console_scripts.py)."""
     from test_harbor_agent import harbor_env, harbor_run
 
     with socket.socket() as unused:
@@ -880,16 +916,29 @@ def test_harbor_refuses_an_openai_model_it_cannot_use_before_any_trial(tmp_path:
         port = unused.getsockname()[1]
     provider_config = {"kind": "openai", "model": api.MODEL,
                        "base_url": f"http://127.0.0.1:{port}/v1", "api_key_env": KEY_ENV}
-    job = harbor_run(tmp_path / "jobs", ROOT / "examples/tasks/hello-file",
-                     provider_config=provider_config)
-    environment = harbor_env(**{KEY_ENV: api.API_KEY})
-    if problem == "no key":
-        del environment[KEY_ENV]
-    completed = subprocess.run(job.argv, cwd=ROOT, env=environment, capture_output=True, text=True,
-                               timeout=300)
+    root = tmp_path_factory.mktemp("harbor-refusals")
+    commands, jobs = [], {}
+    for problem in ("no key", "no server"):
+        jobs[problem] = root / problem / "jobs"
+        job = harbor_run(jobs[problem], ROOT / "examples/tasks/hello-file", provider_config=provider_config)
+        environment = harbor_env(**{KEY_ENV: api.API_KEY})
+        environment.pop("OPENAI_BASE_URL", None)  # as the api_key fixture leaves the tests
+        if problem == "no key":
+            del environment[KEY_ENV]
+        commands.append((job.argv[1:], environment))
+    completed = run_in_one_process("harbor.cli.main:app", "harbor", commands, cwd=ROOT, timeout=300)
+    return {problem: (done, jobs[problem]) for problem, done in zip(jobs, completed, strict=True)}
+
+
+@pytest.mark.harbor
+@pytest.mark.parametrize("problem", ["no key", "no server"])
+def test_harbor_refuses_an_openai_model_it_cannot_use_before_any_trial(
+        harbor_refusals: dict[str, Refusal], problem: str) -> None:
+    # harbor's own CLI: the agent's preflight says what is wrong, once, and no trial starts.
+    completed, jobs = harbor_refusals[problem]
     output = " ".join((completed.stdout + completed.stderr).split())  # harbor wraps its lines
     assert completed.returncode != 0, output[-3000:]
     expected = (f"no API key; set the environment variable {KEY_ENV}" if problem == "no key"
                 else "cannot reach base_url")
     assert expected in output, output[-3000:]
-    assert not list((tmp_path / "jobs").glob("*/*/result.json"))  # no trial ran
+    assert not list(jobs.glob("*/*/result.json"))  # no trial ran

@@ -24,6 +24,7 @@ from provider_wires import (
     WIRES,
     Wire,
     closing_all,
+    count_root_loads,
     interrupt_when,
     request,
 )
@@ -262,6 +263,19 @@ def test_providers_of_one_configuration_share_a_client_per_trio_run(
     trio.run(main)
     ports = [recorded.client_port for recorded in wire.calls]
     assert ports[0] == ports[1] == ports[2] != ports[3]
+
+
+def test_a_client_of_another_configuration_loads_no_certificate_roots_again(
+        wire: Wire, make_provider: Callable[..., AnyHTTPProvider], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Loading the roots is most of what building a client costs: a process loads them
+    # once, however many configurations (each a client of its own) it serves.
+    wire.enqueue(wire.text("ok"), wire.text("ok"))
+    make_provider().complete(request(), CallControl())
+    loads = count_root_loads(monkeypatch)
+    make_provider(timeout_s=99).complete(request(), CallControl())
+    assert loads == []
+    first, other = (recorded.client_port for recorded in wire.calls)
+    assert first != other  # the other configuration did build a client of its own
 
 
 @pytest.mark.parametrize("callers", ["threads", "trio"])

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import email.utils
+import functools
 import importlib
 import json
 import math
@@ -57,6 +58,8 @@ from wmo_trio.settings import PositiveInt, PositiveSeconds
 from wmo_trio.text import valid_json
 
 if TYPE_CHECKING:
+    import ssl
+
     import httpx2
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -91,6 +94,17 @@ class HTTPReply:
     def shown(self, limit: int) -> str:
         """The start of the body, as text, for an error message."""
         return self.body[:limit].decode("utf-8", "replace")
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """How every SDK client of this process verifies servers: the SSL context httpx builds
+    for a client by default, built once. Building one loads the system's certificate
+    roots, most of what a client costs, and a process builds a client per trio run and
+    configuration; one context serves any number of clients, connections and threads."""
+    import httpx2
+
+    return httpx2.create_ssl_context()
 
 
 def encode_body(body: JsonObject) -> bytes:
@@ -205,8 +219,9 @@ class HTTPProvider[S: HTTPSettings](ClosesOnExit, ABC):
     def _new_client(self) -> Any:
         """Import the SDK and build a client: called in a worker thread. Both would stall
         the trio thread, which serves every episode's calls: the first import takes
-        seconds, and every client builds an SSL context (`benchmarks/sdk_cost.py`, run by
-        the real-traffic scenario of `benchmarks/traffic.py`, measures both)."""
+        seconds, and the first client builds the process's SSL context (`_tls_context`;
+        `benchmarks/sdk_cost.py`, run by the real-traffic scenario of
+        `benchmarks/traffic.py`, measures the import and an SDK client built alone)."""
         import httpx2
 
         sdk = importlib.import_module(self.sdk)
@@ -215,7 +230,8 @@ class HTTPProvider[S: HTTPSettings](ClosesOnExit, ABC):
             max_retries=0,  # retry.py decides; the SDKs would obey retry-after without a cap
             timeout=self._settings.timeout_s,
             http_client=sdk.DefaultAsyncHttpxClient(
-                limits=httpx2.Limits(max_connections=limit, max_keepalive_connections=limit)))
+                limits=httpx2.Limits(max_connections=limit, max_keepalive_connections=limit),
+                verify=_tls_context()))
 
     @abstractmethod
     def _client(self, **options: Any) -> Any:

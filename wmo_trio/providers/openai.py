@@ -37,6 +37,7 @@ any event loop, pay for it and every trial's provider finds it done.
 from __future__ import annotations
 
 import difflib
+import functools
 import http.client
 import json
 import logging
@@ -462,9 +463,8 @@ def _listed_models(base_url: str, api_key: str | None, headers: Mapping[str, str
     sent = {"Accept": "application/json", **headers}
     if api_key is not None:
         sent["Authorization"] = f"Bearer {api_key}"
-    opener = urllib.request.build_opener(_RedirectsWithinOrigin)
     try:
-        answer = opener.open(urllib.request.Request(url, headers=sent), timeout=CHECK_TIMEOUT_S)
+        answer = _check_opener().open(urllib.request.Request(url, headers=sent), timeout=CHECK_TIMEOUT_S)
     except urllib.error.HTTPError as error:
         error.close()
         _refused(error.code, url, base_url, key_env)
@@ -511,6 +511,14 @@ def _some_of(models: frozenset[str], model: str) -> str:
     shown += [name for name in sorted(models) if name not in shown][:_MODELS_SHOWN - len(shown)]
     more = len(models) - len(shown)
     return ", ".join(map(repr, shown)) + (f" and {more} more" if more else "")
+
+
+@functools.cache
+def _check_opener() -> urllib.request.OpenerDirector:
+    """The opener of the server checks, built once: urllib's HTTPS handler loads the
+    system's certificate roots as it is built, for an http:// server too, at more cost than
+    the check itself. Its handlers keep no state of a request, so checks may share it."""
+    return urllib.request.build_opener(_RedirectsWithinOrigin)
 
 
 class _RedirectsWithinOrigin(urllib.request.HTTPRedirectHandler):
