@@ -36,11 +36,13 @@ $(STAMP): pyproject.toml constraints.txt scripts/find-python
 # test file runs whole in one of them (`--dist loadfile`), so a module's shared harbor job
 # runs once. (xdist's `loadgroup` would be finer, but with pytest 9.2 it groups nothing:
 # it renames the items' `_nodeid`, which pytest no longer reads.)
+# Three processes on two cores: a good part of the suite waits (harbor's timeouts,
+# sandboxes starting, servers answering), and a third file running fills those waits.
 # Lint and types run beside the tests at the lowest CPU priority, so they take the cycles
-# the tests leave idle (while trials wait on timeouts, sandboxes and servers) rather than
-# a minute of their own before them; their report follows the tests', and either failing
-# fails the target.
-TEST_PROCESSES := 2
+# the tests still leave idle rather than a minute of their own before them; their report
+# follows the tests', and either failing fails the target. (A fourth process left lint
+# no idle cycles until the tests' end, and the whole took longer.)
+TEST_PROCESSES := 3
 test: $(STAMP)
 	@lint_log=$$(mktemp) || exit 1; \
 	nice -n 19 $(MAKE) --no-print-directory lint > "$$lint_log" 2>&1 & lint=$$!; \
