@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_readme import blocks, make_clone, run_as_written
 from typer.testing import CliRunner
 
 from wmo_trio.cli import app
@@ -30,6 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 HELLO = ROOT / "examples" / "tasks" / "hello-file"
 ENV = "wmo_trio.harbor:LocalEnvironment"
 TASKS = 10
+# docs/race.md's example: it runs here as written, from a clone's layout.
+[EXAMPLE] = [b for b in blocks(ROOT / "docs" / "race.md")
+             if b.lang == "sh" and "wmo-trio race" in b.body]
 
 PROGRAM = """import hashlib
 ANSWER = {answer!r}
@@ -212,3 +216,12 @@ def test_ctrl_c_leaves_a_job_directory_that_reads_as_the_race_so_far(tmp_path: P
     records = load_jobs([race_file.parent])
     assert len(records) >= report.trials
     assert json.loads((race_file.parent / "result.json").read_text())["finished_at"] is None
+
+
+@pytest.mark.harbor
+def test_the_docs_example_races_the_bundled_candidates(tmp_path: Path) -> None:
+    clone = make_clone(tmp_path)
+    completed = run_as_written(EXAMPLE, clone)
+    report = read_race(clone / "jobs" / "race")
+    assert report.finished and len(report.candidates) == 3
+    assert "trials:" in completed.stdout and "job directory:" in completed.stdout
