@@ -129,14 +129,7 @@ def run(
         summary_table,
     )
 
-    settings: dict[str, Any] = {}
-    if provider_config:
-        try:
-            settings = json.loads(provider_config)
-        except json.JSONDecodeError as error:
-            raise fail(f"--provider-config is not JSON: {error.msg}") from None
-        if not isinstance(settings, dict):
-            raise fail("--provider-config must be a JSON object")
+    settings = _provider_settings(provider_config)
     options = RunOptions(
         paths=path or [examples_dir() / "tasks"], concurrency=concurrency, attempts=attempts,
         jobs_dir=jobs_dir, job_name=job_name, environment=environment, harness=harness,
@@ -165,6 +158,96 @@ def run(
     console.print(summary_table(rows, title=f"wmo-trio run: job {job_dir.name}"))
     console.print(summary_line(rows), highlight=False, soft_wrap=True)
     console.print(f"job directory: {job_dir.resolve()}", highlight=False, soft_wrap=True)
+
+
+@app.command(cls=Command)
+def race(
+    harness: Annotated[list[Path], typer.Option(
+        "--harness", help="A candidate harness document (JSON); repeat for each candidate.")],
+    path: Annotated[list[Path] | None, typer.Option(
+        "-p", "--path", help="A harbor task directory or a directory of tasks (repeatable). "
+        "Default: the bundled example tasks.")] = None,
+    baseline: Annotated[Path | None, typer.Option(
+        "--baseline", help="The incumbent's document: each candidate stops as soon as it is "
+        "shown better or worse than it.")] = None,
+    alpha: Annotated[float, typer.Option(
+        "--alpha", help="The chance of any wrong verdict in the whole race, however often "
+        "it looks.")] = 0.05,
+    max_trials: Annotated[int | None, typer.Option(
+        "--max-trials", help="Stop before running more trials than this.")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the task order.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    concurrency: Annotated[int, typer.Option("-n", "--n-concurrent",
+                                             help="Trials run at once.")] = 4,
+    attempts: Annotated[int, typer.Option("-k", "--n-attempts", help="Attempts per task.")] = 1,
+    jobs_dir: Annotated[Path, typer.Option("-o", "--jobs-dir", help="Where job directories go.")]
+    = Path("jobs"),
+    job_name: Annotated[str | None, typer.Option(
+        "--job-name", help="The job directory's name under --jobs-dir. Default: the start "
+        "time.")] = None,
+    environment: Annotated[str | None, typer.Option(
+        "-e", "--env", help="A harbor environment type or import path (as for run).")] = None,
+    model: Annotated[str, typer.Option(
+        "-m", "--model", help="kind/model, as for run.")] = "scripted/offline",
+    provider_config: Annotated[str | None, typer.Option(
+        "--provider-config", help="Extra provider settings as a JSON object.")] = None,
+    backend: Annotated[str | None, typer.Option(
+        "--backend", help="Where a document's program runs: local, e2b or sandbox.")] = None,
+) -> None:
+    """Race candidates on the same tasks in rounds; drop each as soon as it is shown worse.
+
+    Every trial is an ordinary harbor trial in one job directory (compare, trace and
+    harbor's viewer read it), with the race's state in its race.json. See docs/race.md.
+    """
+    from rich.live import Live
+    from rich.spinner import Spinner
+
+    from wmo_trio.cli._race import build_race, run_with_display, standings_table, summary_lines
+    from wmo_trio.cli._run import BadInput, RunOptions, examples_dir
+
+    options = RunOptions(
+        paths=path or [examples_dir() / "tasks"], concurrency=concurrency, attempts=attempts,
+        jobs_dir=jobs_dir, job_name=job_name, environment=environment, model=model,
+        provider_settings=_provider_settings(provider_config), backend=backend)
+    refused: BadInput | None = None
+    with Live(Spinner("dots", "loading harbor, checking the options and the documents …"),
+              console=errors, transient=True):
+        try:
+            plan = build_race(options, harness, baseline=baseline, alpha=alpha,
+                              max_trials=max_trials, seed=seed)
+        except BadInput as error:
+            refused = error
+    if refused is not None:
+        raise fail(str(refused))
+    import trio
+
+    try:
+        report = trio.run(run_with_display, plan, None if as_json else console)
+    except KeyboardInterrupt:
+        raise fail(f"interrupted; {plan.job_dir.resolve()} reads as the race so far "
+                   "(race.json)", 130) from None
+    except Exception as error:  # the race itself broke: infrastructure, not a candidate
+        raise fail(f"the race failed: {type(error).__name__}: {error}",
+                   INFRASTRUCTURE_FAILURE) from error
+    if as_json:
+        sys.stdout.write(report.model_dump_json(indent=2) + "\n")
+        return
+    console.print(standings_table(report, f"wmo-trio race: job {plan.job_dir.name}"))
+    for line in summary_lines(report):
+        console.print(line, highlight=False, soft_wrap=True, markup=False)
+    console.print(f"job directory: {plan.job_dir.resolve()}", highlight=False, soft_wrap=True)
+
+
+def _provider_settings(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise fail(f"--provider-config is not JSON: {error.msg}") from None
+    if not isinstance(settings, dict):
+        raise fail("--provider-config must be a JSON object")
+    return settings
 
 
 @app.command(cls=Command)
