@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from test_local_environment import (
+    REPO,
     TASKS,
     make_environment,
     pytestmark,
@@ -251,6 +252,27 @@ def test_a_language_version_the_host_lacks_is_named_with_its_stand_in() -> None:
     assert stand_in_notice("ubuntu:24.04", host) is None
 
 
+@pytest.mark.parametrize("base", [
+    "public.ecr.aws/docker/library/node:22", "mirror.gcr.io/library/node:22-slim",
+    "index.docker.io/library/node:22", "registry-1.docker.io/node:22@sha256:" + "0" * 64,
+])
+def test_an_official_image_behind_a_mirror_of_dockers_library_is_named_as_the_library(
+    base: str,
+) -> None:
+    notice = stand_in_notice(base, {"nodejs": "20.19.0-1nodesource1"})
+    assert notice is not None and f"FROM {base}:" in notice and "Node.js 20.19.0" in notice
+
+
+@pytest.mark.parametrize("base", [
+    "public.ecr.aws/someone/node:22", "mirror.gcr.io/someone/node:22", "ghcr.io/library/node:22",
+    "quay.io/node:22",
+])
+def test_an_image_of_another_namespace_or_registry_is_not_taken_for_the_library(
+    base: str,
+) -> None:
+    assert stand_in_notice(base, {"nodejs": "20.19.0-1nodesource1"}) is None
+
+
 def warnings_of_a_start(tmp_path: Path, dockerfile: str, caplog: Any) -> list[str]:
     """The warnings logged while a trial of ``dockerfile``'s image starts and stops."""
     context = tmp_path / "environment"
@@ -305,6 +327,19 @@ def test_a_failed_build_leaves_one_line_for_the_log_download_not_a_traceback(
     output = completed.stdout + completed.stderr
     assert "Traceback" not in output, output
     assert "did not start" in output
+
+
+def test_a_compose_task_is_refused_as_the_docs_say_with_what_to_use_instead(
+    tmp_path: Path,
+) -> None:
+    context = tmp_path / "environment"
+    shutil.copytree(TASKS / "hello-file" / "environment", context)
+    (context / "docker-compose.yaml").write_text("services:\n  main:\n    build: .\n")
+    with pytest.raises(ValueError, match="Docker Compose") as refusal:
+        make_environment(tmp_path, context)
+    docs = " ".join((REPO / "docs" / "sandbox.md").read_text().split())
+    assert str(refusal.value).rstrip(".") in docs
+    assert "Docker Compose tasks are refused" in docs
 
 
 @pytest.mark.harbor
