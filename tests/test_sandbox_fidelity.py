@@ -37,7 +37,7 @@ def outputs_in(tmp_path: Path, dockerfile: str, *commands: str) -> list[str]:
     """What each command prints (stdout and stderr) in a trial of the image built from
     ``dockerfile``."""
     context = tmp_path / "environment"
-    context.mkdir()
+    context.mkdir(exist_ok=True)
     (context / "Dockerfile").write_text(textwrap.dedent(dockerfile).replace("\\t", "\t"))
     outputs: list[str] = []
 
@@ -234,6 +234,43 @@ def test_an_installed_package_leaves_no_manual_page_index_to_rebuild(tmp_path: P
     host's would rebuild the index after each package a build or trial installs."""
     assert outputs_in(tmp_path, "FROM debian:bookworm-slim\n",
                       f"test -e {MAN_DB_AUTO_UPDATE} || echo absent") == ["absent\n"]
+
+
+# Prints the `sleep 9876xx` processes alive, by command line, once there are at least as
+# many as its argument (a minute at most: a daemon's exec may lag its start).
+LIVE_DAEMONS = """\
+import glob, sys, time
+deadline = time.monotonic() + 60
+while True:
+    found = []
+    for path in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            line = open(path, "rb").read()
+        except OSError:
+            continue
+        if line.startswith(b"sleep\\x009876"):
+            found.append(line.split(b"\\x00")[1].decode())
+    if len(found) >= int(sys.argv[1]) or time.monotonic() > deadline:
+        print(sorted(found))
+        break
+    time.sleep(0.01)
+"""
+
+
+def test_no_process_a_run_step_started_is_alive_in_the_next_step(tmp_path: Path) -> None:
+    """As under Docker, where each step is a container of its own: daemons however
+    detached (setsid, nohup, a double fork, setsid with a cleared environment)."""
+    (tmp_path / "environment").mkdir()
+    (tmp_path / "environment" / "daemons.py").write_text(LIVE_DAEMONS)
+    assert outputs_in(tmp_path, """\
+        FROM debian:bookworm-slim
+        COPY daemons.py /daemons.py
+        RUN setsid -f sleep 987601; nohup sleep 987602 >/dev/null 2>&1 & \\
+            (sleep 987603 </dev/null >/dev/null 2>&1 &); \\
+            env -i setsid -f sh -c '(sleep 987604 &)' </dev/null >/dev/null 2>&1; \\
+            python3 /daemons.py 4 > /started
+        RUN python3 /daemons.py 0 > /left
+        """, "cat /started /left") == ["['987601', '987602', '987603', '987604']\n[]\n"]
 
 
 # ---------------------------------------------------------------------- what the host lacks

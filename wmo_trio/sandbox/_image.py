@@ -518,6 +518,7 @@ class _Builder:
                 self.config.cmd = command
         elif keyword == "RUN":
             await self._run_step(instruction)
+            await self._end_step_processes()
         elif keyword in ("COPY", "ADD"):
             await self._copy(instruction)
 
@@ -562,6 +563,12 @@ class _Builder:
                             user=self.config.user, cwd=self.workdir)
         finally:
             await self.channel.run(["rm", "-f", "--", path], env=self._env(), cwd="/")
+
+    async def _end_step_processes(self) -> None:
+        """End every process the step left running, however it detached (``setsid``,
+        ``nohup``, a double fork, a cleared environment): under Docker each step runs
+        in a container of its own, so a daemon a step starts is gone at the next."""
+        await self.channel.clear(None)  # a build sandbox has no services to keep
 
     async def has_sudo(self) -> bool:
         """Whether the image has a ``sudo`` on its PATH."""
