@@ -42,6 +42,7 @@ from wmo_trio.sandbox._namespace import (
     unavailable,
 )
 from wmo_trio.sandbox._processes import ChannelClosed, SpawnFailed
+from wmo_trio.sandbox._reward import download_reward_files, excluding_rewards
 from wmo_trio.sandbox._rootfs import HostLayers, host_layers
 
 __all__ = ["LocalEnvironment"]
@@ -629,9 +630,18 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             return
         if PurePosixPath(source_dir) == EnvironmentPaths.agent_dir:
             await self._end_agent_processes()  # the agent phase has ended: see there
+        # harbor reads the reward files whole: copied apart, bounded (see _reward).
+        rewards = dict(options) if PurePosixPath(source_dir) == EnvironmentPaths.verifier_dir \
+            else None
+        if rewards is not None:
+            options["exclude"] = excluding_rewards(options.get("exclude"))
         outcome = await _transfer.download_dir(self._require_sandbox().open_root, source_dir,
                                                Path(target_dir), self._transfer_limits,
                                                **options)
+        if rewards is not None:
+            for said in await download_reward_files(self._require_sandbox().open_root,
+                                                    source_dir, Path(target_dir), **rewards):
+                self.logger.warning(said)
         warning = outcome.warning()
         if warning is not None:
             self.logger.warning(warning)
