@@ -568,7 +568,7 @@ class _Builder:
         """End every process the step left running, however it detached (``setsid``,
         ``nohup``, a double fork, a cleared environment): under Docker each step runs
         in a container of its own, so a daemon a step starts is gone at the next."""
-        await self.channel.clear(None)  # a build sandbox has no services to keep
+        await self.channel.end_others()
 
     async def has_sudo(self) -> bool:
         """Whether the image has a ``sudo`` on its PATH."""
