@@ -6,11 +6,12 @@
 - `BuildError`, `DockerfileError`: a task's Dockerfile failed, or cannot be built here.
 
 Module by job: `_dockerfile` reads Dockerfiles, `_image` builds and caches images,
-`_rootfs` chooses the host layers, `_namespace` starts and ends sandboxes,
+`_rootfs` chooses the host layers, `_namespace` starts and ends sandboxes (`_storage`
+makes a trial's filesystem of its `storage_mb`),
 `_seccomp` compiles the system-call filter they run under, `_processes` runs commands
-in them, `_transfer` copies files, `_hostfs` is the host's rule for paths a trial or a
-build wrote, `_helper` is the process inside every sandbox,
-`_environment` is harbor's interface.
+in them, `_transfer` copies files (`_reward` the verifier's reward files, bounded),
+`_hostfs` is the host's rule for paths a trial or a build wrote, `_helper` is the
+process inside every sandbox, `_environment` is harbor's interface.
 
 `LocalEnvironment` is imported on first use, as it brings harbor's environment classes:
 checking whether this machine can run sandboxes, or listing the image cache, does not

@@ -23,6 +23,9 @@ Requests (host to helper):
 - ``{"op": "clear", "id": N, "cgroup": "/services" or null}``: end every process but
   this one and the services' (those in that cgroup, else those the service commands
   started); replies ``{"id": N, "cleared": count}``.
+- ``{"op": "end_others", "id": N}``: end every process of the sandbox but this one,
+  however it detached, and reap them; replies ``{"id": N, "ended": 1}`` once none is
+  left (a build's sandbox between two steps).
 - ``{"op": "prepare", "id": N, "dirs": [...], "shared": [...]}``: make each directory
   (with its parents) as ``mkdir -p`` does, each ``shared`` one also world-writable, as
   Docker's start does for mount targets; replies ``{"id": N, "shell": "bash"}`` (or
@@ -353,6 +356,9 @@ class Helper:
             elif request["op"] == "clear":
                 cleared = kill_all(lambda: self.not_services(request.get("cgroup")))
                 self.send({"id": request["id"], "cleared": cleared})
+            elif request["op"] == "end_others":
+                self.end_others()
+                self.send({"id": request["id"], "ended": 1})
             elif request["op"] == "prepare":
                 self.send({"id": request["id"], "shell": prepare(request["dirs"],
                                                                  request["shared"])})
@@ -370,6 +376,25 @@ class Helper:
                 kept |= processes_of(pid, tag) | {pid}
         return {pid for pid in live_processes() - kept
                 if cgroup is None or not in_cgroup(pid, cgroup)}
+
+    def end_others(self) -> None:
+        """SIGKILL every other process of the sandbox and reap them all (the commands
+        among them reported as :meth:`reap` does); returns once none is left, or after
+        KILL_WAIT_SEC. As the PID namespace's PID 1, one ``kill(-1)`` reaches every
+        process of it, wherever it went, and the kernel lets no fork escape that signal;
+        every orphan comes to this process, so having no child means none is left."""
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:  # there is no other process
+            return
+        deadline = time.monotonic() + KILL_WAIT_SEC
+        while time.monotonic() < deadline:
+            self.reap()
+            try:
+                os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            time.sleep(0.001)
 
     def reap(self) -> None:
         """Reap every exited child, then report the commands among them: once the host

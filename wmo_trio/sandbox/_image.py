@@ -369,6 +369,32 @@ LANGUAGE_IMAGES = {
 }
 
 
+# Where Docker's official images ("library") are served under a registry's name: Docker
+# Hub's own hosts, where the library is also the default namespace, and the public
+# mirrors of it that tasks name to avoid Docker Hub's pull limits (terminal-bench 2's
+# tasks use the last two).
+DOCKER_HUB_HOSTS = ("docker.io/", "index.docker.io/", "registry-1.docker.io/",
+                    "registry.hub.docker.com/")
+LIBRARY_MIRRORS = ("public.ecr.aws/docker/library/", "mirror.gcr.io/library/")
+
+
+def official_library_name(base: str) -> str | None:
+    """The name and tag of the official image ``base`` names (``python:3.13`` for
+    ``python:3.13``, ``docker.io/library/python:3.13`` or
+    ``public.ecr.aws/docker/library/python:3.13``), digest dropped; None for any other
+    image."""
+    name = base.split("@")[0]
+    for mirror in LIBRARY_MIRRORS:
+        if name.startswith(mirror):
+            name = name.removeprefix(mirror)
+            break
+    else:
+        for host in DOCKER_HUB_HOSTS:
+            name = name.removeprefix(host)
+        name = name.removeprefix("library/")
+    return None if "/" in name or not name else name
+
+
 @functools.cache
 def host_packages() -> dict[str, str]:
     """The host's installed Debian packages and their versions (epoch dropped)."""
@@ -390,10 +416,8 @@ def stand_in_notice(base: str, packages: Mapping[str, str] | None = None) -> str
     """One line saying that the host cannot supply the language version a ``FROM``
     image names, and what stands in for it; None when it can (or the image is not an
     official language image)."""
-    name = base.split("@")[0]
-    for prefix in ("docker.io/library/", "docker.io/", "library/"):
-        name = name.removeprefix(prefix)
-    if "/" in name:
+    name = official_library_name(base)
+    if name is None:
         return None
     image, _, tag = name.partition(":")
     if image not in LANGUAGE_IMAGES:
@@ -494,6 +518,7 @@ class _Builder:
                 self.config.cmd = command
         elif keyword == "RUN":
             await self._run_step(instruction)
+            await self._end_step_processes()
         elif keyword in ("COPY", "ADD"):
             await self._copy(instruction)
 
@@ -538,6 +563,12 @@ class _Builder:
                             user=self.config.user, cwd=self.workdir)
         finally:
             await self.channel.run(["rm", "-f", "--", path], env=self._env(), cwd="/")
+
+    async def _end_step_processes(self) -> None:
+        """End every process the step left running, however it detached (``setsid``,
+        ``nohup``, a double fork, a cleared environment): under Docker each step runs
+        in a container of its own, so a daemon a step starts is gone at the next."""
+        await self.channel.end_others()
 
     async def has_sudo(self) -> bool:
         """Whether the image has a ``sudo`` on its PATH."""

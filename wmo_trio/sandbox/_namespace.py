@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from wmo_trio.sandbox import _storage
 from wmo_trio.sandbox._cgroup import Limits, TrialCgroup
 from wmo_trio.sandbox._hostfs import read_tail
 from wmo_trio.sandbox._processes import Channel, wait_readable
@@ -273,7 +274,8 @@ class Sandbox:
 
     @property
     def upper(self) -> Path:
-        """Where everything the sandbox wrote is: one directory per overlay."""
+        """Where everything the sandbox wrote is: one directory per overlay (a sandbox
+        without ``storage_bytes``: a build's)."""
         return self.state.path / "upper"
 
     @classmethod
@@ -287,7 +289,8 @@ class Sandbox:
             except SandboxUnavailableError as error:
                 if "bwrap: loopback:" not in str(error) or attempt == LAUNCH_ATTEMPTS - 1:
                     raise
-                for scratch in ("upper", "work", "root", "hidden"):
+                for scratch in ("upper", "work", "root", "hidden", _storage.TOP,
+                                _storage.IMAGE):
                     await asyncio.to_thread(remove_tree, options["state"].path / scratch)
         raise AssertionError("unreachable")
 
@@ -304,11 +307,13 @@ class Sandbox:
         etc_files: dict[str, str] | None = None,
         limits: Limits | None = None,
         shm_bytes: int = DEFAULT_SHM_BYTES,
+        storage_bytes: int | None = None,
     ) -> Sandbox:
         """Mount the root in ``state``, start bubblewrap and its helper there and, with
         ``network``, a slirp4netns stack for its network namespace; every process of
         the sandbox runs in a cgroup of its own that holds them to ``limits`` (where
-        this machine offers cgroups: see ``_cgroup``). ``/dev/shm`` holds ``shm_bytes``.
+        this machine offers cgroups: see ``_cgroup``). ``/dev/shm`` holds ``shm_bytes``;
+        with ``storage_bytes``, what the sandbox writes is held to that (see ``_storage``).
 
         If this fails or is cancelled, whatever was started is stopped again; the state
         directory is the caller's to remove.
@@ -320,7 +325,8 @@ class Sandbox:
 
         def prepare() -> tuple[str, bytes]:
             # One hop to a thread for both: each hop is a wait for the loop.
-            return (_prepare_root(state, host, image_layer, binds, etc_files or {}),
+            return (_prepare_root(state, host, image_layer, binds, etc_files or {},
+                                  storage_bytes),
                     helper_program())
 
         mount, program = await asyncio.to_thread(prepare)
@@ -607,11 +613,15 @@ def _mount_namespaces(launcher: int, helper: int, helper_pidfd: int) -> list[int
 
 
 def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
-                  binds: Sequence[Bind], etc_files: dict[str, str]) -> str:
+                  binds: Sequence[Bind], etc_files: dict[str, str],
+                  storage_bytes: int | None = None) -> str:
     """Make the state's upper, work, hiding and mount-point directories, and the table
     of the overlays to mount (``fstab`` in the state directory; a parent before its
-    children, the order ``mount --all`` keeps); the command that mounts them."""
-    upper, work, root = state.path / "upper", state.path / "work", state.path / "root"
+    children, the order ``mount --all`` keeps); the command that mounts them. With
+    ``storage_bytes``, the upper and work directories are made in ``_storage.TOP`` and
+    copied into a filesystem of that size, which the table mounts over them first."""
+    base = state.path / _storage.TOP if storage_bytes is not None else state.path
+    upper, work, root = base / "upper", base / "work", state.path / "root"
     hiding = state.path / "hidden"
     make_hiding_layer(hiding, host.hidden)
     mounts: list[str] = []
@@ -629,8 +639,6 @@ def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
         options = _overlay_options(lower, upper / (name or "_root"), work / (name or "_root"))
         mounts.append(f"overlay {root}/{name} overlay {options},nodev 0 0\n")
     root.mkdir(exist_ok=True)
-    # One table for one run of mount(8): a run per overlay costs a start of it each.
-    (state.path / "fstab").write_text("".join(mounts))
     for bind in binds:
         # bubblewrap makes missing mount points mode 0700; Docker makes them 0755.
         top = bind.target.strip("/").split("/")[0]
@@ -640,6 +648,10 @@ def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
     for relative, text in etc_files.items():
         target = upper / "etc" / relative
         target.write_text(text)
+    if storage_bytes is not None:  # made last: it copies what is prepared above
+        mounts.insert(0, _storage.make(state.path, storage_bytes))
+    # One table for one run of mount(8): a run per overlay costs a start of it each.
+    (state.path / "fstab").write_text("".join(mounts))
     return f"mount --all --fstab {_quote(str(state.path / 'fstab'))}"
 
 
