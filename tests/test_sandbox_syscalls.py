@@ -154,6 +154,24 @@ def test_pid_1_cannot_be_traced_read_or_robbed_of_its_descriptors(tmp_path: Path
     run(scenario)
 
 
+def test_no_signal_a_trial_sends_ends_pid_1(tmp_path: Path) -> None:
+    """`kill -INT 1` once ended the helper through Python's own SIGINT handler; every
+    signal, SIGKILL included, is now one the kernel does not deliver to it. Commands
+    inherit no ignored signal from it (they inherited SIGXFSZ's)."""
+    every_signal = "for s in $(seq 1 64); do kill -s $s 1 2>/dev/null; done; echo sent"
+
+    async def scenario() -> None:
+        async with running(make_environment(tmp_path)) as environment:
+            assert (await environment.exec(every_signal)).stdout == "sent\n"
+            alive = await environment.exec("grep SigIgn /proc/self/status")
+            assert (alive.stdout or "").startswith("SigIgn:")
+            # Signals 32 and 33 are the C library's own (its sigaction refuses them): they
+            # stay as harbor's process had them.
+            assert int((alive.stdout or "").split()[1], 16) & ~(0b11 << 31) == 0
+
+    run(scenario)
+
+
 def _probed_as_expected(tmp_path: Path, *names: str) -> None:
     async def scenario() -> None:
         async with running(make_environment(tmp_path)) as environment:
