@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from wmo_trio.sandbox._namespace import CAPABILITIES
+from wmo_trio.sandbox._profile import CAPABILITIES
 from wmo_trio.sandbox._seccomp import filter_problem, filter_program
 
 pytestmark = pytest.mark.skipif(

@@ -4,13 +4,10 @@ namespace around it, its user-mode network, and its removal.
 ``util-linux``'s ``unshare`` gives the launch a private mount namespace in which the
 overlays are mounted (bubblewrap 0.8 has no overlay option), so no mount is ever visible
 on the host and all of them vanish with the sandbox's last process. bubblewrap then
-pivots into that root with fresh PID, IPC, UTS, network and cgroup namespaces, a new
-``/proc`` (``/proc/sys`` and ``/proc/sysrq-trigger`` read-only), a minimal read-only
-``/dev``, an empty environment and Docker's default capabilities less ``CAP_MKNOD``; the
-helper runs there as PID 1. With
+pivots into that root as the trial's profile says (``_profile.TRIAL_PROFILE``: fresh PID, IPC,
+UTS, network and cgroup namespaces, Docker's masks and capabilities less ``CAP_MKNOD``,
+its system-call filter, a keyring of its own); the helper runs there as PID 1. With
 ``--die-with-parent`` the whole sandbox is killed when the process that started it dies.
-Every process there runs under Docker's default seccomp filter (``_seccomp``) and in a
-session keyring of the sandbox's own, joined before bubblewrap starts.
 """
 
 from __future__ import annotations
@@ -18,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import json
@@ -40,28 +38,25 @@ from typing import Any
 from wmo_trio.sandbox._cgroup import Limits, TrialCgroup
 from wmo_trio.sandbox._hostfs import read_tail
 from wmo_trio.sandbox._processes import Channel, wait_readable
+from wmo_trio.sandbox._profile import (
+    DEFAULT_PATH,
+    TRIAL_PROFILE,
+    Bind,
+    bwrap_argv,
+    launch_argv,
+    profile_problem,
+)
 from wmo_trio.sandbox._rootfs import HostLayers, make_hiding_layer
-from wmo_trio.sandbox._seccomp import filter_fd, filter_problem
 
-__all__ = ["Bind", "Sandbox", "SandboxUnavailableError", "StateDir", "remove_stale_states",
-           "wait_for_removals"]
+__all__ = ["DEFAULT_PATH", "Bind", "Sandbox", "SandboxUnavailableError", "StateDir",
+           "remove_stale_states", "wait_for_removals"]
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Bounds a hang only: a start takes milliseconds, but seconds on a saturated machine.
 START_TIMEOUT_SEC = 120.0
 STOP_TIMEOUT_SEC = 10.0
 LAUNCH_ATTEMPTS = 3
 LAUNCH_LOG_TAIL = 64 << 10
 HELPER = Path(__file__).with_name("_helper.py")
-# Docker's default capability set, less CAP_MKNOD: without a device cgroup, a device
-# node made inside could open the host's disks.
-CAPABILITIES = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_NET_RAW",
-                "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP",
-                "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE")
-PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/fs")
-# Shown empty, as Docker masks them: the host root's keys, by description and owner.
-PROC_MASKED = ("/proc/keys", "/proc/key-users")
-DEFAULT_SHM_BYTES = 64 << 20  # Docker's size of /dev/shm
 _UNSAFE_OVERLAY_PATH = re.compile(r"[,:\\\s]")
 
 
@@ -91,26 +86,7 @@ def missing_tools() -> str | None:
                if shutil.which(tool) is None]
     if missing:
         return "missing " + ", ".join(missing) + " on PATH"
-    return filter_problem(CAPABILITIES)
-
-
-def hardening_arguments(capabilities: Sequence[str]) -> list[str]:
-    """bubblewrap's arguments for what every sandbox of this project holds to, whatever
-    runs in it (a trial, or an episode's program: ``wmo_trio.backends.sandbox``): no
-    capability but ``capabilities``, and /proc's writable corners read-only."""
-    arguments = ["--cap-drop", "ALL"]
-    for path in PROC_READ_ONLY:  # see Sandbox._launch
-        arguments += ["--ro-bind-try", path, path]
-    for capability in capabilities:
-        arguments += ["--cap-add", capability]
-    return arguments
-
-
-@dataclass(frozen=True)
-class Bind:
-    source: str
-    target: str
-    read_only: bool = False
+    return profile_problem(TRIAL_PROFILE)
 
 
 @dataclass
@@ -243,13 +219,25 @@ def remove_tree(path: Path) -> None:
         shutil.rmtree(path, onexc=make_writable)
 
 
-def _overlay_options(lower: Sequence[str], upper: Path, work: Path) -> str:
+def _overlay_options(lower: Sequence[str], upper: Path, work: Path, state: Path,
+                     layers: dict[str, str]) -> str:
+    """The overlay's options, every path in them relative to ``state`` (where mount(8)
+    runs): a trial's /proc/self/mountinfo shows them, as Docker's shows its own, and
+    they name no host path. A lower directory is named by a link of ``state``'s
+    ``layers/`` (``layers`` maps each path to its link, made on first use)."""
     for path in [*lower, str(upper), str(work)]:
         if _UNSAFE_OVERLAY_PATH.search(path):
             raise unavailable(f"the path {path} holds a character overlayfs options cannot "
                               "carry (comma, colon, backslash or space); choose other "
                               "state_dir and cache_dir")
-    return f"lowerdir={':'.join(lower)},upperdir={upper},workdir={work}"
+    for path in lower:
+        if path not in layers:
+            layers[path] = f"layers/{len(layers)}"
+            (state / "layers").mkdir(exist_ok=True)
+            os.symlink(path, state / layers[path])
+    names = ":".join(layers[path] for path in lower)
+    return (f"lowerdir={names},upperdir={upper.relative_to(state)},"
+            f"workdir={work.relative_to(state)}")
 
 
 @dataclass
@@ -287,7 +275,7 @@ class Sandbox:
             except SandboxUnavailableError as error:
                 if "bwrap: loopback:" not in str(error) or attempt == LAUNCH_ATTEMPTS - 1:
                     raise
-                for scratch in ("upper", "work", "root", "hidden"):
+                for scratch in ("upper", "work", "root", "hidden", "layers"):
                     await asyncio.to_thread(remove_tree, options["state"].path / scratch)
         raise AssertionError("unreachable")
 
@@ -303,7 +291,7 @@ class Sandbox:
         binds: Sequence[Bind] = (),
         etc_files: dict[str, str] | None = None,
         limits: Limits | None = None,
-        shm_bytes: int = DEFAULT_SHM_BYTES,
+        shm_bytes: int = TRIAL_PROFILE.shm_bytes,
     ) -> Sandbox:
         """Mount the root in ``state``, start bubblewrap and its helper there and, with
         ``network``, a slirp4netns stack for its network namespace; every process of
@@ -324,63 +312,44 @@ class Sandbox:
                     helper_program())
 
         mount, program = await asyncio.to_thread(prepare)
-        helper_fd = _read_only_memfd(program)
-        seccomp_fd = filter_fd(CAPABILITIES)
-        # bubblewrap reads each of these to its end, then closes it.
-        empty_fds = [os.open(os.devnull, os.O_RDONLY) for _ in PROC_MASKED]
-        info_read, info_write = os.pipe()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        bwrap = [
-            "bwrap", "--bind", str(root), "/", "--proc", "/proc", "--dev", "/dev",
-            "--size", str(shm_bytes), "--perms", "1777",  # Docker's /dev/shm
-            "--tmpfs", "/dev/shm", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-            "--unshare-net", "--unshare-cgroup", "--hostname", hostname, "--die-with-parent",
-            "--as-pid-1", "--clearenv", "--setenv", "PATH", DEFAULT_PATH,
-            "--info-fd", str(info_write), "--cap-drop", "ALL", "--seccomp", str(seccomp_fd),
-        ]
-        for path in PROC_READ_ONLY:
-            # Root may write most sysctls with no capability at all: as Docker does,
-            # these stay read-only (bubblewrap covers /proc/irq and /proc/bus).
-            bwrap += ["--ro-bind-try", path, path]
-        for path, empty_fd in zip(PROC_MASKED, empty_fds, strict=True):
-            bwrap += ["--ro-bind-data", str(empty_fd), path]
-        for capability in CAPABILITIES:
-            bwrap += ["--cap-add", capability]
-        for bind in binds:
-            bwrap += ["--ro-bind" if bind.read_only else "--bind", bind.source, bind.target]
-        # Last, once mount points are made: /dev is an in-memory filesystem without a
-        # size (Docker's holds 64 MiB), whose files no process frees when memory runs out.
-        bwrap += ["--remount-ro", "/dev"]
-        bwrap += ["python3", "-I", "-S", f"/proc/self/fd/{helper_fd}"]
-        log = os.open(state.path / "launch.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        profile = dataclasses.replace(TRIAL_PROFILE, limits=limits or Limits(), shm_bytes=shm_bytes)
         process: asyncio.subprocess.Process | None = None
         channel: Channel | None = None
         sandbox: Sandbox | None = None
         cgroup: TrialCgroup | None = None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # What the launch inherits: closed once it started, or when it failed to.
+        inherited = contextlib.ExitStack()
         try:
-            cgroup = await asyncio.to_thread(TrialCgroup.create, limits or Limits())
-            # The launch joins the cgroup first: bubblewrap and all it starts follow.
-            joins = [f"echo $$ > {_quote(str(path))}"
-                     for path in (cgroup.procs_files if cgroup else ())]
-            # A new anonymous session keyring, so that no key of harbor's session is
-            # within reach even if a key system call ever got through the filter.
-            script = " && ".join([*joins, mount, "exec keyctl session - "
-                                  + " ".join(_quote(word) for word in bwrap)])
-            process = await asyncio.create_subprocess_exec(
-                "unshare", "--mount", "--propagation", "private", "sh", "-c", script,
-                stdin=theirs.fileno(), stdout=asyncio.subprocess.DEVNULL, stderr=log,
-                pass_fds=(helper_fd, seccomp_fd, *empty_fds, info_write, state.lock_fd),
-                # Its own session: a Ctrl-C at harbor's terminal must not end the
-                # sandbox before harbor's own shutdown stops it.
-                start_new_session=True, env={"PATH": DEFAULT_PATH},
-            )
-            for fd in (helper_fd, seccomp_fd, *empty_fds, info_write):
-                os.close(fd)
-            helper_fd = seccomp_fd = info_write = -1
-            empty_fds = []
-            theirs.close()
-            channel = Channel(ours)
-            helper_pid = await _read_child_pid(info_read, process, state)
+            with contextlib.ExitStack() as launching:
+                launching.enter_context(inherited)
+                inherited.callback(theirs.close)
+                info_read, info_write = os.pipe()
+                launching.callback(os.close, info_read)
+                inherited.callback(os.close, info_write)
+                helper_fd = _read_only_memfd(program)
+                inherited.callback(os.close, helper_fd)
+                bwrap, pass_fds = bwrap_argv(
+                    profile, inherited, root=str(root), hostname=hostname, binds=binds,
+                    info_fd=info_write,
+                    command=["python3", "-I", "-S", f"/proc/self/fd/{helper_fd}"])
+                log = os.open(state.path / "launch.log",
+                              os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                launching.callback(os.close, log)
+                cgroup = await asyncio.to_thread(TrialCgroup.create, profile.limits)
+                process = await asyncio.create_subprocess_exec(
+                    "unshare", "--mount", "--propagation", "private",
+                    *launch_argv(bwrap, before=mount,
+                                 cgroup_procs=cgroup.procs_files if cgroup else ()),
+                    stdin=theirs.fileno(), stdout=asyncio.subprocess.DEVNULL, stderr=log,
+                    pass_fds=(helper_fd, *pass_fds, state.lock_fd),
+                    # Its own session: a Ctrl-C at harbor's terminal must not end the
+                    # sandbox before harbor's own shutdown stops it.
+                    start_new_session=True, env={"PATH": DEFAULT_PATH},
+                )
+                inherited.close()
+                channel = Channel(ours)
+                helper_pid = await _read_child_pid(info_read, process, state)
             try:
                 helper_pidfd = os.pidfd_open(helper_pid)
             except ProcessLookupError:
@@ -412,13 +381,6 @@ class Sandbox:
                 if cgroup is not None:
                     await asyncio.to_thread(cgroup.remove)
             raise
-        finally:
-            os.close(log)
-            theirs.close()
-            for fd in (helper_fd, seccomp_fd, *empty_fds, info_write, info_read):
-                if fd >= 0:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
 
     def open_root(self) -> int:
         """A descriptor of the sandbox's root as its processes see it, mounts included
@@ -615,6 +577,7 @@ def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
     hiding = state.path / "hidden"
     make_hiding_layer(hiding, host.hidden)
     mounts: list[str] = []
+    layers: dict[str, str] = {}
     for name in ("", *host.system):
         (upper / (name or "_root")).mkdir(parents=True, exist_ok=True)
         (work / (name or "_root")).mkdir(parents=True, exist_ok=True)
@@ -626,7 +589,8 @@ def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
             lower = [str(host.skeleton)]
             if image_layer is not None:
                 lower.insert(0, str(image_layer / "_root"))
-        options = _overlay_options(lower, upper / (name or "_root"), work / (name or "_root"))
+        options = _overlay_options(lower, upper / (name or "_root"), work / (name or "_root"),
+                                   state.path, layers)
         mounts.append(f"overlay {root}/{name} overlay {options},nodev 0 0\n")
     root.mkdir(exist_ok=True)
     # One table for one run of mount(8): a run per overlay costs a start of it each.
@@ -640,7 +604,7 @@ def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
     for relative, text in etc_files.items():
         target = upper / "etc" / relative
         target.write_text(text)
-    return f"mount --all --fstab {_quote(str(state.path / 'fstab'))}"
+    return f"cd {_quote(str(state.path))} && mount --all --fstab fstab"
 
 
 def _quote(word: str) -> str:
