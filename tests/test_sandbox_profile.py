@@ -1,6 +1,6 @@
-"""One bubblewrap profile (`wmo_trio.sandbox._profile`): what a trial's sandbox and a
-candidate's runner's hold to is one command line's rules, so none can differ between
-them; and what they hide of the host, seen from inside each."""
+"""One bubblewrap profile (`wmo_trio.sandbox._profile`): what a trial's sandbox, its
+network stack's and a candidate's runner's hold to is one command line's rules, so none
+can differ between them; and what they hide of the host, seen from inside each."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from processes import descendants
 from test_local_environment import make_environment, run, running
 from test_local_environment import pytestmark as trial_marks
 from test_sandbox_backend import PROBLEM as RUNNER_PROBLEM
@@ -21,6 +22,7 @@ from wmo_trio.backends.sandbox import RUNNER_PROFILE, SandboxSettings
 from wmo_trio.sandbox import default_cache_dir
 from wmo_trio.sandbox._profile import (
     MASKED,
+    NETWORK_STACK_PROFILE,
     READ_ONLY,
     TRIAL_PROFILE,
     Profile,
@@ -31,7 +33,8 @@ from wmo_trio.sandbox._profile import (
 
 __all__ = ["runners"]  # the fixture, used by the runner's tests below
 
-PROFILES = {"trial": TRIAL_PROFILE, "runner": SandboxSettings().profile}
+PROFILES = {"trial": TRIAL_PROFILE, "runner": SandboxSettings().profile,
+            "network stack": NETWORK_STACK_PROFILE}
 needs_libseccomp = pytest.mark.skipif(profile_problem(TRIAL_PROFILE) is not None,
                                       reason="the command line needs its filter (libseccomp)")
 RUNNER_MARKS = [pytest.mark.skipif(RUNNER_PROBLEM is not None,
@@ -98,7 +101,7 @@ def test_every_sandbox_hides_and_locks_the_same_paths_of_proc_and_sys() -> None:
         with ExitStack() as descriptors:
             argv, _ = bwrap_argv(profile, descriptors, command=["true"], hostname="h")
             seen[name] = _rules(argv)
-    assert seen["trial"] == seen["runner"]
+    assert seen["trial"] == seen["runner"] == seen["network stack"]
     mounts, flags = seen["trial"]
     assert flags == {"--die-with-parent", "--new-session", "--clearenv", "--unshare-pid"}
     hidden = {target for _, target in mounts}
@@ -168,6 +171,39 @@ def _hidden_alike(shown: dict[str, Any]) -> None:
     # /sys is empty: a trial's root may hold files there, of its own.
     written = [key for key in shown if key.endswith(" written") and key.startswith("/proc/")]
     assert written == []
+
+
+@marked(trial_marks)
+def test_slirp4netns_runs_in_a_sandbox_of_its_own_and_the_trial_still_reaches_a_registry(
+        tmp_path: Path) -> None:
+    """It ran as root with every capability, no filter and the host's whole tree while
+    parsing each packet a trial sends."""
+    fetch = ("python3 -c 'import urllib.request as u; "
+             "print(u.urlopen(\"https://pypi.org/simple/pip/\", timeout=60).status)'")
+
+    async def scenario() -> None:
+        async with running(make_environment(tmp_path)) as environment:
+            sandbox = environment._sandbox
+            assert sandbox is not None and sandbox.network is not None
+            [slirp] = [pid for pid in descendants(sandbox.network.pid)
+                       if Path(f"/proc/{pid}/comm").read_text().strip() == "slirp4netns"]
+            status = dict(line.split(":\t", 1) for line in
+                          Path(f"/proc/{slirp}/status").read_text().splitlines())
+            assert status["Seccomp"].strip() == "2"  # its own filter, on top of ours
+            assert status["NoNewPrivs"].strip() == "1"
+            # Only what its own sandbox keeps: CAP_NET_BIND_SERVICE.
+            assert int(status["CapEff"], 16) == int(status["CapBnd"], 16) == 1 << 10
+            for namespace in ("mnt", "pid", "ipc"):
+                assert os.readlink(f"/proc/{slirp}/ns/{namespace}") != os.readlink(
+                    f"/proc/self/ns/{namespace}"), namespace
+            root = Path(f"/proc/{slirp}/root")
+            assert sorted(os.listdir(root)) == ["etc", "run"]
+            assert set(os.listdir(root / "etc")) <= {"ld.so.cache", "resolv.conf"}
+            assert os.listdir(root / "run") == []
+            reached = await environment.exec(fetch)
+            assert reached.stdout == "200\n", reached.stderr
+
+    run(scenario)
 
 
 # -- inside a candidate's runner -----------------------------------------------------------

@@ -8,6 +8,7 @@ pivots into that root as the trial's profile says (``_profile.TRIAL_PROFILE``: f
 UTS, network and cgroup namespaces, Docker's masks and capabilities less ``CAP_MKNOD``,
 its system-call filter, a keyring of its own); the helper runs there as PID 1. With
 ``--die-with-parent`` the whole sandbox is killed when the process that started it dies.
+Its network stack, slirp4netns, runs in a sandbox of its own (``_profile.NETWORK_STACK_PROFILE``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from wmo_trio.sandbox._hostfs import read_tail
 from wmo_trio.sandbox._processes import Channel, wait_readable
 from wmo_trio.sandbox._profile import (
     DEFAULT_PATH,
+    NETWORK_STACK_PROFILE,
     TRIAL_PROFILE,
     Bind,
     bwrap_argv,
@@ -86,7 +88,7 @@ def missing_tools() -> str | None:
                if shutil.which(tool) is None]
     if missing:
         return "missing " + ", ".join(missing) + " on PATH"
-    return profile_problem(TRIAL_PROFILE)
+    return profile_problem(TRIAL_PROFILE) or profile_problem(NETWORK_STACK_PROFILE)
 
 
 @dataclass
@@ -397,25 +399,38 @@ class Sandbox:
         return fd
 
     async def _start_network(self) -> None:
+        """slirp4netns for the sandbox's network namespace, in a sandbox of its own
+        (``NETWORK_STACK_PROFILE``), and in its own ``--enable-sandbox`` and ``--enable-seccomp``
+        within that once it is set up. It is given the namespace as a descriptor, and
+        sees of the host's files only its programs (/usr), the loader's cache, the
+        host's resolv.conf (its DNS forwarder reads it) and the tun device."""
         ready_read, ready_write = os.pipe()
-        exit_read, exit_write = os.pipe()
         try:
-            # Popen returns once the program is exec'd, as asyncio's own start does.
-            self.network = subprocess.Popen(  # noqa: ASYNC220
-                ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
-                 f"--ready-fd={ready_write}", f"--exit-fd={exit_read}",
-                 str(self.helper_pid), "tap0"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                pass_fds=(ready_write, exit_read), start_new_session=True,
-            )
-            self.network_exit_fd = exit_write
-            exit_write = -1
-        finally:
-            os.close(ready_write)
-            os.close(exit_read)
-            if exit_write >= 0:
-                os.close(exit_write)
-        try:
+            with contextlib.ExitStack() as inherited:
+                inherited.callback(os.close, ready_write)
+                exit_read, exit_write = os.pipe()
+                inherited.callback(os.close, exit_read)
+                with contextlib.ExitStack() as kept:
+                    kept.callback(os.close, exit_write)
+                    netns = self._open_namespace("net")
+                    inherited.callback(os.close, netns)
+                    slirp, binds = _network_stack()
+                    bwrap, pass_fds = bwrap_argv(
+                        NETWORK_STACK_PROFILE, inherited, hostname="slirp4netns", binds=binds,
+                        hidden=["/run"], command=[slirp, "--configure", "--mtu=65520",
+                                 "--disable-host-loopback", "--enable-sandbox",
+                                 "--enable-seccomp", f"--ready-fd={ready_write}",
+                                 f"--exit-fd={exit_read}", "--netns-type=path",
+                                 f"/proc/self/fd/{netns}", "tap0"])
+                    # Popen returns once the program is exec'd, as asyncio's own start does.
+                    self.network = subprocess.Popen(  # noqa: ASYNC220
+                        launch_argv(bwrap), stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                        pass_fds=(ready_write, exit_read, netns, *pass_fds),
+                        start_new_session=True, env={"PATH": DEFAULT_PATH},
+                    )
+                    kept.pop_all()
+                    self.network_exit_fd = exit_write
             ready = await _read_all(ready_read, limit=16)
         finally:
             os.close(ready_read)
@@ -423,9 +438,19 @@ class Sandbox:
             assert self.network is not None and self.network.stderr is not None
             # It said nothing on its ready descriptor: it has exited, or is exiting.
             output = await asyncio.to_thread(self.network.stderr.read, LAUNCH_LOG_TAIL)
-            detail = output.decode(errors="replace").strip()
+            lines = [line for line in output.decode(errors="replace").strip().splitlines()
+                     if not line.startswith("Joined session keyring")]
             raise unavailable(f"slirp4netns could not give the sandbox a network: "
-                              f"{detail.splitlines()[-1] if detail else 'it exited'}")
+                              f"{lines[-1] if lines else 'it exited'}")
+
+    def _open_namespace(self, kind: str) -> int:
+        """A descriptor of the helper's namespace ``kind``; raises ``RuntimeError`` once
+        the helper is gone (its pid could name another process by then)."""
+        fd = os.open(f"/proc/{self.helper_pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+        if self.helper_pidfd < 0 or select.select([self.helper_pidfd], [], [], 0)[0]:
+            os.close(fd)
+            raise RuntimeError("the sandbox's processes are gone")
+        return fd
 
     async def death(self) -> str:
         """Why the sandbox's helper is gone, for an error once its channel closed
@@ -501,6 +526,25 @@ class Sandbox:
         held, self.mount_namespaces = self.mount_namespaces, []
         for fd in held:
             os.close(fd)
+
+
+@functools.cache
+def _network_stack() -> tuple[str, tuple[Bind, ...]]:
+    """slirp4netns's path, and what its sandbox shows of the host: the program and the
+    libraries it loads (/usr, and /lib* and /bin where they are links into it or
+    directories), the loader's cache, the resolver's configuration, read-only; the tun
+    device."""
+    program = os.path.realpath(shutil.which("slirp4netns", path=DEFAULT_PATH) or "slirp4netns")
+    binds = [Bind("/usr", "/usr", read_only=True)]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.isdir(top):
+            binds.append(Bind(os.path.realpath(top), top, read_only=True))
+    if not program.startswith("/usr/"):
+        binds.append(Bind(program, program, read_only=True))
+    for path in ("/etc/ld.so.cache", "/etc/resolv.conf"):
+        if os.path.exists(path):
+            binds.append(Bind(os.path.realpath(path), path, read_only=True))
+    return program, (*binds, Bind("/dev/net/tun", "/dev/net/tun", device=True))
 
 
 # Run by the host's own python3: the helper's code object, marshalled after the magic

@@ -3,10 +3,11 @@ one function that turns a profile into bubblewrap's command line (`bwrap_argv`),
 the one launch around it (`launch_argv`: the cgroup joined, a session keyring of its
 own).
 
-Two sandboxes are built from it: a trial's (`TRIAL_PROFILE`, ``_namespace``) and a
-candidate's runner (``wmo_trio.backends.sandbox``, a `dataclasses.replace` of
-`TRIAL_PROFILE` that names what it tightens). What may differ between them is a field;
-what may not is a rule of `bwrap_argv` that no field reaches:
+Three sandboxes are built from it: a trial's (`TRIAL_PROFILE`, ``_namespace``), its network
+stack's (`NETWORK_STACK_PROFILE`: slirp4netns, ``_namespace``) and a candidate's runner
+(``wmo_trio.backends.sandbox``, a `dataclasses.replace` of `TRIAL_PROFILE` that names what it
+tightens). What may differ between them is a field; what may not is a rule of
+`bwrap_argv` that no field reaches:
 
 - a fresh ``/proc`` whose writable corners are read-only and whose lists of the host's
   state are masked (`READ_ONLY`, `MASKED`: Docker's lists, and more), no ``/sys``, a
@@ -33,7 +34,7 @@ from typing import Literal
 from wmo_trio.sandbox._cgroup import Limits
 from wmo_trio.sandbox._seccomp import filter_fd, filter_problem
 
-__all__ = ["CAPABILITIES", "DEFAULT_PATH", "MASKED", "READ_ONLY", "TRIAL_PROFILE",
+__all__ = ["CAPABILITIES", "DEFAULT_PATH", "MASKED", "NETWORK_STACK_PROFILE", "READ_ONLY", "TRIAL_PROFILE",
            "Bind", "Profile", "bwrap_argv", "launch_argv", "profile_problem"]
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -64,11 +65,12 @@ Namespace = Literal["user", "pid", "ipc", "uts", "net", "cgroup"]
 
 @dataclass(frozen=True)
 class Bind:
-    """A host path shown in the sandbox, read-only or writable."""
+    """A host path shown in the sandbox: read-only, writable, or a device node."""
 
     source: str
     target: str
     read_only: bool = False
+    device: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,24 @@ TRIAL_PROFILE = Profile(
     environment=(("PATH", DEFAULT_PATH),),
     command_is_pid_1=True,
 )
+
+# slirp4netns, which parses every packet a trial sends: in the host's network namespace
+# (it is the trial's way out), with only what it needs until its own sandbox
+# (``--enable-sandbox``) drops every capability but CAP_NET_BIND_SERVICE: CAP_SYS_ADMIN
+# to join the trial's network namespace and make that sandbox (pivot_root besides
+# Docker's filter), CAP_NET_ADMIN for the trial's tap device, CAP_SETPCAP to drop the
+# rest, CAP_NET_BIND_SERVICE for what it keeps. Its own filter (``--enable-seccomp``)
+# then applies on top of this one.
+NETWORK_STACK_PROFILE = Profile(
+    namespaces=frozenset({"pid", "ipc", "uts", "cgroup"}),
+    capabilities=("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE"),
+    environment=(),
+    command_is_pid_1=False,
+    shm_bytes=64 << 10,
+    tmp_bytes=64 << 10,
+    extra_system_calls=("pivot_root",),
+)
+
 
 def profile_problem(profile: Profile) -> str | None:
     """Why no sandbox of ``profile`` can start here (its filter cannot be built), or
@@ -150,7 +170,8 @@ def bwrap_argv(profile: Profile, descriptors: ExitStack, *, command: Sequence[st
             argv += ["--ro-bind-data", str(empty), path]
             inherited.append(empty)
     for bind in binds:
-        argv += ["--ro-bind" if bind.read_only else "--bind", bind.source, bind.target]
+        option = "--dev-bind" if bind.device else "--ro-bind" if bind.read_only else "--bind"
+        argv += [option, bind.source, bind.target]
     for directory in hidden:
         argv += ["--tmpfs", directory, "--remount-ro", directory]
     if root is None:
