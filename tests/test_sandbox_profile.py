@@ -96,11 +96,12 @@ def _rules(argv: list[str]) -> tuple[list[list[str]], set[str]]:
 def test_every_sandbox_hides_and_locks_the_same_paths_of_proc_and_sys() -> None:
     """Trials masked 2 paths of /proc, the runner 5: every profile now masks Docker's
     whole list and more, and keeps Docker's read-only paths read-only."""
-    seen = {}
+    seen, devices = {}, {}
     for name, profile in PROFILES.items():
         with ExitStack() as descriptors:
             argv, _ = bwrap_argv(profile, descriptors, command=["true"], hostname="h")
-            seen[name] = _rules(argv)
+            seen[name], devices[name] = _rules(argv), "--dev" in argv
+    assert devices == {"trial": True, "runner": True, "network stack": False}
     assert seen["trial"] == seen["runner"] == seen["network stack"]
     mounts, flags = seen["trial"]
     assert flags == {"--die-with-parent", "--new-session", "--clearenv", "--unshare-pid"}

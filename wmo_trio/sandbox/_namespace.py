@@ -400,10 +400,11 @@ class Sandbox:
 
     async def _start_network(self) -> None:
         """slirp4netns for the sandbox's network namespace, in a sandbox of its own
-        (``NETWORK_STACK_PROFILE``), and in its own ``--enable-sandbox`` and ``--enable-seccomp``
-        within that once it is set up. It is given the namespace as a descriptor, and
-        sees of the host's files only its programs (/usr), the loader's cache, the
-        host's resolv.conf (its DNS forwarder reads it) and the tun device."""
+        (``NETWORK_STACK_PROFILE``), and in its own ``--enable-sandbox`` and
+        ``--enable-seccomp`` within that once it is set up. It sees of the host's files
+        only its programs (/usr), the loader's cache, the host's resolv.conf (its DNS
+        forwarder reads it) and the tun device; the trial's network namespace is a
+        descriptor this process opened."""
         ready_read, ready_write = os.pipe()
         try:
             with contextlib.ExitStack() as inherited:
@@ -416,8 +417,8 @@ class Sandbox:
                     inherited.callback(os.close, netns)
                     slirp, binds = _network_stack()
                     bwrap, pass_fds = bwrap_argv(
-                        NETWORK_STACK_PROFILE, inherited, hostname="slirp4netns", binds=binds,
-                        hidden=["/run"], command=[slirp, "--configure", "--mtu=65520",
+                        NETWORK_STACK_PROFILE, inherited, hostname="slirp4netns",
+                        binds=binds, dirs=["/tmp", "/run"], command=[slirp, "--configure", "--mtu=65520",
                                  "--disable-host-loopback", "--enable-sandbox",
                                  "--enable-seccomp", f"--ready-fd={ready_write}",
                                  f"--exit-fd={exit_read}", "--netns-type=path",
@@ -531,14 +532,16 @@ class Sandbox:
 @functools.cache
 def _network_stack() -> tuple[str, tuple[Bind, ...]]:
     """slirp4netns's path, and what its sandbox shows of the host: the program and the
-    libraries it loads (/usr, and /lib* and /bin where they are links into it or
-    directories), the loader's cache, the resolver's configuration, read-only; the tun
-    device."""
+    libraries it loads (/usr, and /lib* and /bin as the host has them: links into /usr
+    or directories), the loader's cache, the resolver's configuration, read-only; the
+    tun device."""
     program = os.path.realpath(shutil.which("slirp4netns", path=DEFAULT_PATH) or "slirp4netns")
     binds = [Bind("/usr", "/usr", read_only=True)]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.isdir(top):
-            binds.append(Bind(os.path.realpath(top), top, read_only=True))
+        if os.path.islink(top):
+            binds.append(Bind(os.readlink(top), top, link=True))
+        elif os.path.isdir(top):
+            binds.append(Bind(top, top, read_only=True))
     if not program.startswith("/usr/"):
         binds.append(Bind(program, program, read_only=True))
     for path in ("/etc/ld.so.cache", "/etc/resolv.conf"):

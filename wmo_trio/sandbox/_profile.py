@@ -11,8 +11,8 @@ tightens). What may differ between them is a field; what may not is a rule of
 
 - a fresh ``/proc`` whose writable corners are read-only and whose lists of the host's
   state are masked (`READ_ONLY`, `MASKED`: Docker's lists, and more), no ``/sys``, a
-  minimal ``/dev`` made read-only once its mounts are made, a size-bounded
-  ``/dev/shm``;
+  minimal ``/dev`` made read-only once its mounts are made, with a size-bounded
+  ``/dev/shm`` (or no ``/dev`` at all);
 - an empty environment but the profile's own variables, a new session (no ``TIOCSTI``
   into a terminal outside), death with the process that started it, a hostname of its
   own, no capability but the profile's;
@@ -65,12 +65,14 @@ Namespace = Literal["user", "pid", "ipc", "uts", "net", "cgroup"]
 
 @dataclass(frozen=True)
 class Bind:
-    """A host path shown in the sandbox: read-only, writable, or a device node."""
+    """A host path shown in the sandbox: read-only, writable, or a device node; or, with
+    `link`, a symbolic link at `target` whose text is `source`."""
 
     source: str
     target: str
     read_only: bool = False
     device: bool = False
+    link: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,9 @@ class Profile:
     - `environment`: the only variables set (``--clearenv`` first);
     - `command_is_pid_1`: the command runs as PID 1 (``--as-pid-1``), else bubblewrap's
       own reaper is PID 1;
+    - `dev`: a minimal ``/dev``; False for a program that needs no device but those
+      its binds bring (each of its nodes is a mount, and mounts cost most on a machine
+      busy with other sandboxes' mounts);
     - ceilings: `shm_bytes` for ``/dev/shm``, `tmp_bytes` for a ``/tmp`` of bubblewrap's
       own (None: the root's), `limits` for the sandbox's cgroup.
     """
@@ -96,6 +101,7 @@ class Profile:
     tmp_bytes: int | None = None
     limits: Limits = field(default_factory=Limits)
     extra_system_calls: tuple[str, ...] = ()
+    dev: bool = True
 
 
 # A trial, and each build step: Docker's namespaces (a cgroup one besides), Docker's
@@ -113,15 +119,14 @@ TRIAL_PROFILE = Profile(
 # to join the trial's network namespace and make that sandbox (pivot_root besides
 # Docker's filter), CAP_NET_ADMIN for the trial's tap device, CAP_SETPCAP to drop the
 # rest, CAP_NET_BIND_SERVICE for what it keeps. Its own filter (``--enable-seccomp``)
-# then applies on top of this one.
+# then applies on top of this one. It needs no device but the tun device.
 NETWORK_STACK_PROFILE = Profile(
     namespaces=frozenset({"pid", "ipc", "uts", "cgroup"}),
     capabilities=("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE"),
     environment=(),
     command_is_pid_1=False,
-    shm_bytes=64 << 10,
-    tmp_bytes=64 << 10,
     extra_system_calls=("pivot_root",),
+    dev=False,
 )
 
 
@@ -133,7 +138,7 @@ def profile_problem(profile: Profile) -> str | None:
 
 def bwrap_argv(profile: Profile, descriptors: ExitStack, *, command: Sequence[str],
                hostname: str, root: str | None = None, binds: Sequence[Bind] = (),
-               hidden: Sequence[str] = (), chdir: str | None = None,
+               hidden: Sequence[str] = (), dirs: Sequence[str] = (), chdir: str | None = None,
                info_fd: int | None = None) -> tuple[list[str], list[int]]:
     """bubblewrap's command line for a sandbox of ``profile`` that runs ``command``, and
     the descriptors it must inherit. Each descriptor this opens is closed when
@@ -141,7 +146,8 @@ def bwrap_argv(profile: Profile, descriptors: ExitStack, *, command: Sequence[st
 
     ``root``: the host directory bound as ``/``; None for an empty tmpfs, read-only once
     every mount is made. ``binds`` then show host paths, ``hidden`` directories empty
-    and read-only. ``info_fd``: where bubblewrap writes its child's pid.
+    and read-only, ``dirs`` are made. ``info_fd``: where bubblewrap writes its child's
+    pid.
     """
     seccomp = filter_fd(profile.capabilities, profile.extra_system_calls)
     descriptors.callback(os.close, seccomp)
@@ -149,36 +155,29 @@ def bwrap_argv(profile: Profile, descriptors: ExitStack, *, command: Sequence[st
     argv = ["bwrap"]
     if root is not None:
         argv += ["--bind", root, "/"]
-    argv += ["--proc", "/proc", "--dev", "/dev",
-             "--size", str(profile.shm_bytes), "--perms", "1777", "--tmpfs", "/dev/shm"]
+    argv += ["--proc", "/proc"]
+    if profile.dev:
+        argv += ["--dev", "/dev",
+                 "--size", str(profile.shm_bytes), "--perms", "1777", "--tmpfs", "/dev/shm"]
+    argv += _masks(descriptors, inherited)
     if profile.tmp_bytes is not None:
         argv += ["--size", str(profile.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
-    for path in READ_ONLY:
-        if path not in _BWRAP_READ_ONLY:
-            argv += ["--ro-bind-try", path, path]
-    for path in MASKED:
-        # The sandbox's /proc has what the host's has; a path it lacks needs no mask.
-        if not path.startswith("/proc/") or not os.path.exists(path):
-            continue
-        if os.path.isdir(path):
-            argv += ["--tmpfs", path, "--remount-ro", path]
-        else:
-            # An empty read-only file: Docker binds /dev/null, which a bind here (nodev,
-            # as bubblewrap makes it) would refuse to open rather than read empty.
-            empty = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-            descriptors.callback(os.close, empty)
-            argv += ["--ro-bind-data", str(empty), path]
-            inherited.append(empty)
     for bind in binds:
-        option = "--dev-bind" if bind.device else "--ro-bind" if bind.read_only else "--bind"
-        argv += [option, bind.source, bind.target]
+        if bind.link:
+            argv += ["--symlink", bind.source, bind.target]
+        else:
+            option = "--dev-bind" if bind.device else "--ro-bind" if bind.read_only else "--bind"
+            argv += [option, bind.source, bind.target]
     for directory in hidden:
         argv += ["--tmpfs", directory, "--remount-ro", directory]
+    for directory in dirs:
+        argv += ["--dir", directory]
     if root is None:
         argv += ["--remount-ro", "/"]
-    # Last, once mount points are made: /dev is an in-memory filesystem without a size
-    # (Docker's holds 64 MiB), whose files no process frees when memory runs out.
-    argv += ["--remount-ro", "/dev"]
+    if profile.dev:
+        # Last, once mount points are made: /dev is an in-memory filesystem without a
+        # size (Docker's holds 64 MiB), whose files no process frees when memory runs out.
+        argv += ["--remount-ro", "/dev"]
     for namespace in sorted(profile.namespaces):
         argv.append(f"--unshare-{namespace}")
     argv += ["--hostname", hostname, "--die-with-parent", "--new-session", "--clearenv"]
@@ -196,6 +195,29 @@ def bwrap_argv(profile: Profile, descriptors: ExitStack, *, command: Sequence[st
     if chdir is not None:
         argv += ["--chdir", chdir]
     return [*argv, *command], inherited
+
+
+def _masks(descriptors: ExitStack, inherited: list[int]) -> list[str]:
+    """The arguments that keep `READ_ONLY` read-only and show `MASKED` empty in a fresh
+    /proc; each descriptor they need is appended to ``inherited``."""
+    argv: list[str] = []
+    for path in READ_ONLY:
+        if path not in _BWRAP_READ_ONLY:
+            argv += ["--ro-bind-try", path, path]
+    for path in MASKED:
+        # The sandbox's /proc has what the host's has; a path it lacks needs no mask.
+        if not path.startswith("/proc/") or not os.path.exists(path):
+            continue
+        if os.path.isdir(path):
+            argv += ["--tmpfs", path, "--remount-ro", path]
+        else:
+            # An empty read-only file: Docker binds /dev/null, which a bind here (nodev,
+            # as bubblewrap makes it) would refuse to open rather than read empty.
+            empty = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            descriptors.callback(os.close, empty)
+            argv += ["--ro-bind-data", str(empty), path]
+            inherited.append(empty)
+    return argv
 
 
 def launch_argv(bwrap: Sequence[str], *, cgroup_procs: Sequence[Path] = (),
