@@ -40,10 +40,11 @@ trial runs out of memory, the kernel ends a command rather than this process.
 
 When the socket closes (the host stopped the trial, or died), the helper exits; the
 kernel then kills every other process of the PID namespace. As PID 1 it cannot be
-killed from inside the sandbox, and it reaps every orphan. It is not dumpable, so no
-command, even as root, can trace it, read its memory or environment or take its
-descriptors (the host's socket among them): without ``CAP_SYS_PTRACE``, which no
-sandbox has, the kernel refuses all of these on a process that is not dumpable.
+killed from inside the sandbox, whatever signal is sent (see :func:`ignore_signals`),
+and it reaps every orphan. It is not dumpable, so no command, even as root, can trace
+it, read its memory or environment or take its descriptors (the host's socket among
+them): without ``CAP_SYS_PTRACE``, which no sandbox has, the kernel refuses all of these
+on a process that is not dumpable.
 """
 
 from __future__ import annotations
@@ -477,11 +478,29 @@ def make_undumpable() -> None:
         sys.exit(1)
 
 
+def ignore_signals() -> None:
+    """Leave every signal a process of the sandbox can send at its default disposition,
+    which for a PID 1 the kernel never delivers from inside its own PID namespace
+    (SIGKILL and SIGSTOP included); only the host's can end it. Python's own handlers
+    are the way in otherwise: its SIGINT one raised KeyboardInterrupt, and a ``kill
+    -INT 1`` in a trial ended the helper with it. Two keep a disposition of their own,
+    each harmless whoever sends it: SIGCHLD's handler only wakes the loop to reap, and
+    SIGPIPE is ignored (a write to a closed socket raises instead; a command gets the
+    default back, see :func:`spawn`)."""
+    for number in signal.valid_signals():
+        if number not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGPIPE):
+            try:
+                signal.signal(number, signal.SIG_DFL)
+            except (OSError, ValueError):  # one the C library keeps for itself
+                pass
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+
+
 def main() -> None:
     make_undumpable()
     # Started with its program on a descriptor of its own; the commands must not inherit it.
     os.closerange(3, 1 << 16)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    ignore_signals()
     channel = socket.socket(fileno=0)
     try:
         Helper(channel).serve()
