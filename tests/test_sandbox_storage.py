@@ -112,7 +112,9 @@ def test_a_kept_trial_keeps_its_changes_in_its_image(tmp_path: Path) -> None:
 
     run(scenario)
     [trial_state] = (tmp_path / "state").iterdir()
-    assert sorted(path.name for path in trial_state.iterdir()) == ["fstab", _storage.IMAGE]
+    # fstab names the lower layers by the links of layers/, kept with it.
+    assert sorted(path.name for path in trial_state.iterdir()) == ["fstab", "layers",
+                                                                    _storage.IMAGE]
     assert until_no_loop_device_under(trial_state) == []
     read = subprocess.run(
         ["unshare", "--mount", "sh", "-c", 'mount -o loop,ro "$1" "$2" && '
