@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -118,11 +119,14 @@ def run(
     from rich.live import Live
     from rich.spinner import Spinner
 
+    from wmo_trio.cli._interrupt import INTERRUPTED, only_interrupts
     from wmo_trio.cli._run import (
         BadInput,
+        JobInterrupted,
         RunOptions,
         build_job_config,
         examples_dir,
+        interrupted_line,
         run_with_progress,
         scan_job,
         summary_line,
@@ -145,19 +149,32 @@ def run(
             config = build_job_config(options)
         except BadInput as error:
             refused = error
+        except KeyboardInterrupt:
+            raise fail("interrupted before the job started", INTERRUPTED) from None
     if refused is not None:
         raise fail(str(refused))
     import trio
 
+    job_dir = Path(config.jobs_dir) / str(config.job_name)
     try:
-        job_dir = trio.run(run_with_progress, config, console)
+        trio.run(run_with_progress, config, console)
+    except JobInterrupted:
+        raise fail(interrupted_line(job_dir), INTERRUPTED) from None
     except Exception as error:  # the job itself broke: infrastructure, not the candidate
         raise fail(f"the job failed: {type(error).__name__}: {error}",
                    INFRASTRUCTURE_FAILURE) from error
-    rows = scan_job(job_dir)
-    console.print(summary_table(rows, title=f"wmo-trio run: job {job_dir.name}"))
-    console.print(summary_line(rows), highlight=False, soft_wrap=True)
-    console.print(f"job directory: {job_dir.resolve()}", highlight=False, soft_wrap=True)
+    except BaseException as error:
+        # Ctrl-C in the instants before the job's signal handling starts or after it ends.
+        if not only_interrupts(error):
+            raise
+        raise fail(interrupted_line(job_dir), INTERRUPTED) from None
+    try:
+        rows = scan_job(job_dir)
+        console.print(summary_table(rows, title=f"wmo-trio run: job {job_dir.name}"))
+        console.print(summary_line(rows), highlight=False, soft_wrap=True)
+        console.print(f"job directory: {job_dir.resolve()}", highlight=False, soft_wrap=True)
+    except KeyboardInterrupt:
+        raise fail(interrupted_line(job_dir), INTERRUPTED) from None
 
 
 @app.command(cls=Command)
@@ -367,4 +384,10 @@ def main() -> None:
     # harbor imports litellm, which otherwise tries to download a model cost map at import
     # and stalls for seconds on a machine without internet access.
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    app()
+    try:
+        app()
+    finally:
+        # The interpreter may still wait for threads as it exits (a sandbox's directories
+        # being removed): a Ctrl-C then ends it as SIGINT ends a process, not with a
+        # traceback of threading's shutdown.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -257,6 +258,7 @@ class JobProgress:
     stage: str = "creating the job: harbor's checks, the agent's preflight"
     phases: dict[str, str] = field(default_factory=dict)
     finished: dict[str, TrialRow] = field(default_factory=dict)
+    interrupted: bool = False
 
     def watch(self, job: Any) -> None:
         """Register on a harbor `Job` (before it runs) the hooks that keep this current."""
@@ -288,7 +290,11 @@ class JobProgress:
             f"{sum(rewards) / len(rewards):.3f}" if rewards else "-",
             f"{sum(r.tokens or 0 for r in done):,}",
         )
-        return Group(table, Text(self.status(), style="dim"))
+        status = Text(self.status(), style="dim")
+        if not self.interrupted:
+            return Group(table, status)
+        return Group(table, status, Text("interrupted: cancelling the trials, each keeps its "
+                                         "trace (Ctrl-C again to leave at once)", style="yellow"))
 
     def status(self) -> str:
         """One line on what the job is doing now, so a quiet start is never a mystery."""
@@ -338,20 +344,41 @@ def count_trials(config: Any) -> int:
     return tasks * int(config.n_attempts)
 
 
+class JobInterrupted(Exception):
+    """The job was cancelled by Ctrl-C (or SIGTERM) and has ended: its trials are cancelled,
+    each with its trace, and its result.json has its finished_at."""
+
+    def __init__(self, job_dir: Path) -> None:
+        super().__init__(f"interrupted: {job_dir}")
+        self.job_dir = job_dir
+
+
 async def run_with_progress(config: Any, console: Console) -> Path:
     """Run the job on the trio host, showing live progress; returns the job directory.
+    Raises `JobInterrupted` once the job has ended after a Ctrl-C (a second one ends the
+    process at once, exit code 130).
 
     The display is transient: when the job ends it is cleared, and the caller prints the
     summary once. harbor's own bar is kept off the terminal meanwhile."""
     import trio
 
-    from wmo_trio.harbor._job import harbor_progress_hidden, run_job
+    from wmo_trio.cli._interrupt import cancelled_on_interrupt
+    from wmo_trio.harbor._job import harbor_progress_hidden, record_interrupted_end, run_job
 
     job_dir = Path(config.jobs_dir) / str(config.job_name)
     progress = JobProgress(count_trials(config))
     with harbor_progress_hidden(), Live(progress.render(), console=console,
                                         refresh_per_second=4, transient=True) as live:
-        async with trio.open_nursery() as nursery:
+        def on_first() -> None:
+            progress.interrupted = True
+            live.update(progress.render())
+
+        def leave() -> NoReturn:
+            live.stop()
+            leave_at_once(job_dir)
+
+        async with cancelled_on_interrupt(on_first, leave) as interrupt, \
+                trio.open_nursery() as nursery:
             async def show() -> None:
                 while True:
                     live.update(progress.render())
@@ -360,4 +387,29 @@ async def run_with_progress(config: Any, console: Console) -> Path:
             nursery.start_soon(show)
             await run_job(config, on_create=progress.watch)
             nursery.cancel_scope.cancel()
+    if interrupt.received:
+        record_interrupted_end(job_dir)
+        raise JobInterrupted(job_dir)
     return job_dir
+
+
+def leave_at_once(job_dir: Path) -> NoReturn:
+    """End the process now, without waiting for the trials' cleanup (a second Ctrl-C)."""
+    from wmo_trio.cli._interrupt import INTERRUPTED
+
+    sys.stdout.flush()
+    sys.stderr.write(f"wmo-trio: interrupted again: left without waiting for the trials' "
+                     f"cleanup (traces may be missing); job directory: {job_dir.resolve()}\n")
+    sys.stderr.flush()
+    os._exit(INTERRUPTED)
+
+
+def interrupted_line(job_dir: Path) -> str:
+    """The one line `wmo-trio run` ends with after a Ctrl-C: how far the job got, where it is."""
+    rows = scan_job(job_dir)
+    cancelled = sum(r.exception == "CancelledError" for r in rows)
+    done = sum(r.done for r in rows) - cancelled
+    count = f"{done} trial{'' if done == 1 else 's'} finished"
+    if cancelled:
+        count += f", {cancelled} cancelled (each with its trace)"
+    return f"interrupted: {count}; job directory: {job_dir.resolve()}"
