@@ -87,6 +87,11 @@ def agent_kwargs(options: RunOptions) -> dict[str, Any]:
     if not slash or not kind or not model:
         raise BadInput(f"model {options.model!r} must be kind/model, e.g. {DEFAULT_MODEL}, "
                        "anthropic/claude-sonnet-4-5 or openai/<model>")
+    named = sorted({"kind", "model"} & options.provider_settings.keys())
+    if named:
+        raise BadInput(f"--provider-config names the provider's {' and '.join(named)}, which "
+                       f"-m gives (now {options.model}): pass -m <kind>/<model>, e.g. -m "
+                       "anthropic/claude-sonnet-4-5, and only its settings in --provider-config")
     from wmo_trio.agent_arguments import parse_arguments, provider_for
 
     harness = options.harness or examples_dir() / "harness.json"
@@ -141,8 +146,10 @@ def build_job_config(options: RunOptions) -> Any:
     at once, before a job directory exists."""
     tasks, datasets = _task_paths(options.paths)
     kwargs = agent_kwargs(options)
-    if options.concurrency < 1 or options.attempts < 1:
-        raise BadInput("-n and -k must be at least 1")
+    for flag, value in (("-n (--n-concurrent)", options.concurrency),
+                        ("-k (--n-attempts)", options.attempts)):
+        if value < 1:
+            raise BadInput(f"{flag} must be at least 1, got {value}")
     environment = _environment(options.environment)
     name = options.job_name or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
     if (options.jobs_dir / name).exists():
