@@ -351,17 +351,29 @@ CacheDir = Annotated[Path | None, typer.Option(
 
 @sandbox_app.command("images", cls=Command)
 def sandbox_images(cache_dir: CacheDir = None) -> None:
-    """List the built task images: key, task, size, last use, whether a trial uses it."""
+    """List the built task images: key, task, size, last use, whether a trial uses it, and
+    who built it for which job: every job run with the cache shares it."""
     from datetime import datetime
 
+    from rich.table import Table
+
+    from wmo_trio.cli._text import visible
     from wmo_trio.sandbox import ImageCache, default_cache_dir
 
     cache = ImageCache(cache_dir or default_cache_dir())
+    table = Table(box=None, show_edge=False, pad_edge=False)
+    for column in ("image", "task", "size", "last used", "in use", "built by, for job"):
+        # Only the last column wraps (a job's path): the others stay in line.
+        table.add_column(column, justify="right" if column == "size" else "left",
+                         no_wrap=column != "built by, for job", overflow="fold")
     for image in cache.entries():
         used = datetime.fromtimestamp(image.built_at).strftime("%Y-%m-%d %H:%M")
-        console.print(f"{image.key}  {image.task:<32} {image.size_bytes / 2**20:8.1f} MiB  "
-                      f"last used {used}{'  in use' if image.in_use else ''}", highlight=False)
-    console.print(f"cache: {cache.root}", highlight=False)
+        built_by = f"{image.user}, {image.job}" if image.user else "-"
+        table.add_row(image.key, visible(image.task), f"{image.size_bytes / 2**20:.1f} MiB",
+                      used, "yes" if image.in_use else "", visible(built_by))
+    console.print(table, highlight=False)
+    console.print(f"cache: {cache.root} (shared: every job run with it, whoever runs it, builds "
+                  "and reuses its images here)", highlight=False)
 
 
 @sandbox_app.command("prune", cls=Command)
