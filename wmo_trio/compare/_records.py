@@ -9,11 +9,12 @@ when the task did not change between them.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -185,7 +186,8 @@ def _trial_record(path: Path, *, source: str) -> TrialRecord | None:
                            f"{validation_problem(error, most=1)}") from None
     if trial.finished_at is None:
         return None  # still running
-    trace = _trace(path.parent)
+    # Read only when the result lacks what it holds (a trace can be megabytes).
+    trace = functools.cache(lambda: _trace(path.parent))
     candidate, name, model = _candidate(trial, path.parent, trace)
     rewards = trial.verifier_result.rewards if trial.verifier_result is not None else None
     exception = trial.exception_info.exception_type if trial.exception_info else None
@@ -195,7 +197,7 @@ def _trial_record(path: Path, *, source: str) -> TrialRecord | None:
     if timing is not None and timing.started_at and timing.finished_at:
         seconds = max(0.0, (timing.finished_at - timing.started_at).total_seconds())
     metadata = trial.agent_result.metadata if trial.agent_result is not None else None
-    stop_reason = (metadata or {}).get("stop_reason") or trace.get("stop_reason")
+    stop_reason = (metadata or {}).get("stop_reason") or trace().get("stop_reason")
     return TrialRecord(
         candidate=candidate, name=name, model=model, task=trial.task_name,
         task_digest=trial.task_checksum, reward=_reward(rewards),
@@ -218,7 +220,7 @@ def _reward(rewards: Mapping[str, Any] | None) -> float | None:
 
 
 def _candidate(trial: Any, trial_dir: Path,
-               trace: Mapping[str, Any]) -> tuple[str, str, str | None]:
+               trace: Callable[[], Mapping[str, Any]]) -> tuple[str, str, str | None]:
     """(group key, label, model) of a trial's agent: for a wmo_trio candidate the document's
     hash, from the result's agent metadata, else its trace, else the `doc_hash` harbor's
     records of the trial hold (its configuration, its lock: a trial that failed before
@@ -226,10 +228,13 @@ def _candidate(trial: Any, trial_dir: Path,
     name, model and arguments."""
     agent = trial.config.agent
     metadata = trial.agent_result.metadata if trial.agent_result is not None else None
-    doc_hash = next((value for value in (
-        (metadata or {}).get("candidate_doc_hash"), trace.get("doc_hash"),
-        agent.kwargs.get("doc_hash"), _locked_doc_hash(trial_dir)) if _is_doc_hash(value)),
-        None)
+    def recorded() -> Iterator[Any]:  # in order, each read only if those before lack it
+        yield (metadata or {}).get("candidate_doc_hash")
+        yield trace().get("doc_hash")
+        yield agent.kwargs.get("doc_hash")
+        yield _locked_doc_hash(trial_dir)
+
+    doc_hash = next((value for value in recorded() if _is_doc_hash(value)), None)
     model = agent.model_name or (trial.agent_info.model_info.name
                                  if trial.agent_info and trial.agent_info.model_info else None)
     if doc_hash is not None:
