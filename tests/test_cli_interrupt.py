@@ -98,6 +98,14 @@ class Terminal:
             os.close(self._master)
         return self.process.returncode, err.decode("utf-8", "replace")
 
+    def group_is_gone(self) -> bool:
+        """No process of the command's group is left (the issue saw a zombie child)."""
+        try:
+            os.killpg(self.process.pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
 
 def json_file(path: Path) -> dict[str, object]:
     try:
@@ -127,6 +135,7 @@ def test_ctrl_c_while_trials_run_is_exit_130_one_line_and_every_trace(tmp_path: 
         assert json_file(trial / "result.json").get("finished_at")
     # harbor itself leaves an interrupted job's finished_at unset.
     assert json_file(job / "result.json").get("finished_at")
+    assert run.group_is_gone()
 
 
 def test_a_second_ctrl_c_leaves_while_the_cleanup_hangs(tmp_path: Path) -> None:
@@ -179,3 +188,4 @@ def test_ctrl_c_as_the_job_ends_ends_the_command(tmp_path: Path) -> None:
     # thread at its exit.
     assert code in (0, 130, -signal.SIGINT), err
     assert "Traceback" not in err and len(err.splitlines()) <= 1, err
+    assert run.group_is_gone()

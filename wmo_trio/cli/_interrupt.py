@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 import trio
@@ -60,3 +63,12 @@ def only_interrupts(error: BaseException) -> bool:
     if isinstance(error, BaseExceptionGroup):
         return all(only_interrupts(e) or isinstance(e, trio.Cancelled) for e in error.exceptions)
     return isinstance(error, KeyboardInterrupt)
+
+
+def leave_now(job_dir: Path) -> NoReturn:
+    """End the process at once, without waiting for the trials' cleanup (a second Ctrl-C)."""
+    sys.stdout.flush()
+    sys.stderr.write("wmo-trio: interrupted again: left without waiting for the trials' "
+                     f"cleanup (traces may be missing); job directory: {job_dir.resolve()}\n")
+    sys.stderr.flush()
+    os._exit(INTERRUPTED)

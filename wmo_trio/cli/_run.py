@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -300,8 +299,9 @@ class JobProgress:
         status = Text(self.status(), style="dim")
         if not self.interrupted:
             return Group(table, status)
-        return Group(table, status, Text("interrupted: cancelling the trials, each keeps its "
-                                         "trace (Ctrl-C again to leave at once)", style="yellow"))
+        return Group(table, status, Text("interrupted: cancelling the trials, each running agent "
+                                         "writes its trace (Ctrl-C again to leave at once)",
+                                         style="yellow"))
 
     def status(self) -> str:
         """One line on what the job is doing now, so a quiet start is never a mystery."""
@@ -369,7 +369,7 @@ async def run_with_progress(config: Any, console: Console) -> Path:
     summary once. harbor's own bar is kept off the terminal meanwhile."""
     import trio
 
-    from wmo_trio.cli._interrupt import cancelled_on_interrupt
+    from wmo_trio.cli._interrupt import cancelled_on_interrupt, leave_now
     from wmo_trio.harbor._job import harbor_progress_hidden, record_interrupted_end, run_job
 
     job_dir = Path(config.jobs_dir) / str(config.job_name)
@@ -382,7 +382,7 @@ async def run_with_progress(config: Any, console: Console) -> Path:
 
         def leave() -> NoReturn:
             live.stop()
-            leave_at_once(job_dir)
+            leave_now(job_dir)
 
         async with cancelled_on_interrupt(on_first, leave) as interrupt, \
                 trio.open_nursery() as nursery:
@@ -400,23 +400,16 @@ async def run_with_progress(config: Any, console: Console) -> Path:
     return job_dir
 
 
-def leave_at_once(job_dir: Path) -> NoReturn:
-    """End the process now, without waiting for the trials' cleanup (a second Ctrl-C)."""
-    from wmo_trio.cli._interrupt import INTERRUPTED
-
-    sys.stdout.flush()
-    sys.stderr.write(f"wmo-trio: interrupted again: left without waiting for the trials' "
-                     f"cleanup (traces may be missing); job directory: {job_dir.resolve()}\n")
-    sys.stderr.flush()
-    os._exit(INTERRUPTED)
-
-
 def interrupted_line(job_dir: Path) -> str:
     """The one line `wmo-trio run` ends with after a Ctrl-C: how far the job got, where it is."""
     rows = scan_job(job_dir)
-    cancelled = sum(r.exception == "CancelledError" for r in rows)
-    done = sum(r.done for r in rows) - cancelled
+    cancelled = [r for r in rows if r.exception == "CancelledError"]
+    done = sum(r.done for r in rows) - len(cancelled)
     count = f"{done} trial{'' if done == 1 else 's'} finished"
     if cancelled:
-        count += f", {cancelled} cancelled (each with its trace)"
+        traced = sum((job_dir / r.name / "agent" / "wmo-run.json").is_file() for r in cancelled)
+        count += f", {len(cancelled)} cancelled " + (
+            "(each with its trace)" if traced == len(cancelled) else
+            "(before their agent ran: no trace)" if traced == 0 else
+            f"({traced} with a trace, the others before their agent ran)")
     return f"interrupted: {count}; job directory: {job_dir.resolve()}"
