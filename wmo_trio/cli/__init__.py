@@ -373,7 +373,7 @@ def sandbox_images(cache_dir: CacheDir = None) -> None:
                       used, "yes" if image.in_use else "", visible(built_by))
     console.print(table, highlight=False)
     console.print(f"cache: {cache.root} (shared: every job run with it, whoever runs it, builds "
-                  "and reuses its images here)", highlight=False)
+                  "and reuses its images here)", highlight=False, soft_wrap=True)
 
 
 @sandbox_app.command("prune", cls=Command)
