@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -118,11 +119,14 @@ def run(
     from rich.live import Live
     from rich.spinner import Spinner
 
+    from wmo_trio.cli._interrupt import INTERRUPTED, only_interrupts
     from wmo_trio.cli._run import (
         BadInput,
+        JobInterrupted,
         RunOptions,
         build_job_config,
         examples_dir,
+        interrupted_line,
         run_with_progress,
         scan_job,
         summary_line,
@@ -145,19 +149,32 @@ def run(
             config = build_job_config(options)
         except BadInput as error:
             refused = error
+        except KeyboardInterrupt:
+            raise fail("interrupted before the job started", INTERRUPTED) from None
     if refused is not None:
         raise fail(str(refused))
     import trio
 
+    job_dir = Path(config.jobs_dir) / str(config.job_name)
     try:
-        job_dir = trio.run(run_with_progress, config, console)
+        trio.run(run_with_progress, config, console)
+    except JobInterrupted:
+        raise fail(interrupted_line(job_dir), INTERRUPTED) from None
     except Exception as error:  # the job itself broke: infrastructure, not the candidate
         raise fail(f"the job failed: {type(error).__name__}: {error}",
                    INFRASTRUCTURE_FAILURE) from error
-    rows = scan_job(job_dir)
-    console.print(summary_table(rows, title=f"wmo-trio run: job {job_dir.name}"))
-    console.print(summary_line(rows), highlight=False, soft_wrap=True)
-    console.print(f"job directory: {job_dir.resolve()}", highlight=False, soft_wrap=True)
+    except BaseException as error:
+        # Ctrl-C in the instants before the job's signal handling starts or after it ends.
+        if not only_interrupts(error):
+            raise
+        raise fail(interrupted_line(job_dir), INTERRUPTED) from None
+    try:
+        rows = scan_job(job_dir)
+        console.print(summary_table(rows, title=f"wmo-trio run: job {job_dir.name}"))
+        console.print(summary_line(rows), highlight=False, soft_wrap=True)
+        console.print(f"job directory: {job_dir.resolve()}", highlight=False, soft_wrap=True)
+    except KeyboardInterrupt:
+        raise fail(interrupted_line(job_dir), INTERRUPTED) from None
 
 
 @app.command(cls=Command)
@@ -334,17 +351,29 @@ CacheDir = Annotated[Path | None, typer.Option(
 
 @sandbox_app.command("images", cls=Command)
 def sandbox_images(cache_dir: CacheDir = None) -> None:
-    """List the built task images: key, task, size, last use, whether a trial uses it."""
+    """List the built task images: key, task, size, last use, whether a trial uses it, and
+    who built it for which job: every job run with the cache shares it."""
     from datetime import datetime
 
+    from rich.table import Table
+
+    from wmo_trio.cli._text import visible
     from wmo_trio.sandbox import ImageCache, default_cache_dir
 
     cache = ImageCache(cache_dir or default_cache_dir())
+    table = Table(box=None, show_edge=False, pad_edge=False)
+    for column in ("image", "task", "size", "last used", "in use", "built by, for job"):
+        # Only the last column wraps (a job's path): the others stay in line.
+        table.add_column(column, justify="right" if column == "size" else "left",
+                         no_wrap=column != "built by, for job", overflow="fold")
     for image in cache.entries():
         used = datetime.fromtimestamp(image.built_at).strftime("%Y-%m-%d %H:%M")
-        console.print(f"{image.key}  {image.task:<32} {image.size_bytes / 2**20:8.1f} MiB  "
-                      f"last used {used}{'  in use' if image.in_use else ''}", highlight=False)
-    console.print(f"cache: {cache.root}", highlight=False)
+        built_by = f"{image.user}, {image.job}" if image.user else "-"
+        table.add_row(image.key, visible(image.task), f"{image.size_bytes / 2**20:.1f} MiB",
+                      used, "yes" if image.in_use else "", visible(built_by))
+    console.print(table, highlight=False)
+    console.print(f"cache: {cache.root} (shared: every job run with it, whoever runs it, builds "
+                  "and reuses its images here)", highlight=False, soft_wrap=True)
 
 
 @sandbox_app.command("prune", cls=Command)
@@ -367,4 +396,10 @@ def main() -> None:
     # harbor imports litellm, which otherwise tries to download a model cost map at import
     # and stalls for seconds on a machine without internet access.
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    app()
+    try:
+        app()
+    finally:
+        # The interpreter may still wait for threads as it exits (a sandbox's directories
+        # being removed): a Ctrl-C then ends it as SIGINT ends a process, not with a
+        # traceback of threading's shutdown.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)

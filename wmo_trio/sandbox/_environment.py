@@ -360,6 +360,8 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                     build_args=self._build_args,
                     build_timeout_sec=self.task_env_config.build_timeout_sec, log=log,
                     notice=lambda text: self.logger.warning("%s: %s", self.environment_name, text),
+                    built_for={"task": str(self.environment_dir.parent),
+                               "job": str(self.trial_paths.trial_dir.parent)},
                 )
             except TimeoutError:
                 raise RuntimeError(

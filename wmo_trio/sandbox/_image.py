@@ -125,6 +125,22 @@ class CachedImage:
     size_bytes: int
     built_at: float
     in_use: bool
+    # Who built it, for a cache every user of the machine shares: the system user, and
+    # the task directory and job directory of the trial that built it ("" before these
+    # were recorded).
+    user: str = ""
+    task_dir: str = ""
+    job: str = ""
+
+
+def _user() -> str:
+    """This process's user's name (its uid where the system knows no name)."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
 
 
 def _context_digest(context: Path) -> str:
@@ -182,8 +198,10 @@ class ImageCache:
         build_timeout_sec: float | None,
         log: Any = None,
         notice: Callable[[str], None] | None = None,
+        built_for: Mapping[str, str] | None = None,
     ) -> Image:
-        """The task's image, built now if no trial built it before. Holds the image's
+        """The task's image, built now if no trial built it before (its record says for
+        whom: `built_for`, the trial's task and job directories). Holds the image's
         lock shared until :meth:`Image.release`. Raises :class:`DockerfileError` for a
         Dockerfile that cannot be built here, :class:`BuildError` for a failed step."""
         plan = build_plan(read(context / "Dockerfile"), build_args)
@@ -210,7 +228,7 @@ class ImageCache:
                             notice(text)
                     async with asyncio.timeout(build_timeout_sec):
                         await self._build(plan, context, host, target, task_name,
-                                          build_args, log)
+                                          build_args, log, built_for or {})
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 meta = json.loads((target / "image.json").read_text())
                 os.utime(target / "image.json")  # last use, for prune --older-than
@@ -244,7 +262,7 @@ class ImageCache:
 
     async def _build(self, plan: list[Stage], context: Path, host: HostLayers,
                      target: Path, task_name: str, build_args: Mapping[str, str],
-                     log: Any) -> None:
+                     log: Any, built_for: Mapping[str, str]) -> None:
         """Build each stage of the plan in a sandbox of its own; the stages the last one
         copies from run until it is built, and only its layer is kept."""
         states: list[StateDir] = []
@@ -266,7 +284,8 @@ class ImageCache:
                     await builder.step(instruction)
                 sources[stage.index] = sandbox.channel
             record = {"task": task_name, "built_at": started, "seconds": time.time() - started,
-                      "config": asdict(builder.config), "has_sudo": await builder.has_sudo()}
+                      "config": asdict(builder.config), "has_sudo": await builder.has_sudo(),
+                      "built_by": {"user": _user(), **built_for}}
             for sandbox in sandboxes:
                 await sandbox.stop()
             await asyncio.to_thread(_drop_network_files, sandboxes[-1].upper)
@@ -286,9 +305,12 @@ class ImageCache:
             except (OSError, ValueError):
                 continue
             size = sum(entry.lstat().st_size for entry in image.rglob("*"))
+            by = meta.get("built_by") if isinstance(meta.get("built_by"), dict) else {}
             found.append(CachedImage(key=image.name, path=image, task=str(meta.get("task", "")),
                                      size_bytes=size, built_at=path.stat().st_mtime,
-                                     in_use=self._in_use(image.name)))
+                                     in_use=self._in_use(image.name),
+                                     user=str(by.get("user", "")),
+                                     task_dir=str(by.get("task", "")), job=str(by.get("job", ""))))
         return found
 
     def _in_use(self, key: str) -> bool:
