@@ -4,7 +4,6 @@ soon as the paired evidence shows it (docs/race.md)."""
 from __future__ import annotations
 
 import dataclasses
-import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,46 +60,39 @@ def build_race(options: RunOptions, harnesses: list[Path], *, baseline: Path | N
 
 
 async def run_with_display(race: HarborRace, console: Console | None) -> RaceReport:
-    """Run the race on the trio host, with a live display unless `console` is None; a
-    SIGINT (Ctrl-C) stops it cleanly: the round in flight is cancelled and the job
-    directory left reading as the race so far (`KeyboardInterrupt` then propagates)."""
+    """Run the race on the trio host, with a live display unless `console` is None.
+
+    Ctrl-C (SIGINT, or SIGTERM) stops it as it stops `wmo-trio run`: the round in flight
+    is cancelled, its trials stopped and waited for, and the job directory left reading
+    as the race so far, then `KeyboardInterrupt` propagates; a second Ctrl-C while that
+    cleanup runs leaves at once (`leave_now`)."""
     import trio
     from rich.live import Live
 
+    from wmo_trio.cli._interrupt import cancelled_on_interrupt, leave_now
     from wmo_trio.harbor._job import harbor_progress_hidden
     from wmo_trio.race._harbor import RaceProgress, run_race
 
     progress = RaceProgress()
-    interrupted = False
     report: RaceReport | None = None
+
+    async def show() -> None:
+        if console is None:
+            return
+        with Live(render_progress(progress), console=console, refresh_per_second=4,
+                  transient=True) as live:
+            while True:
+                live.update(render_progress(progress))
+                await trio.sleep(0.25)
+
     with harbor_progress_hidden():
-        async with trio.open_nursery() as nursery:
-            async def on_signal() -> None:
-                nonlocal interrupted
-                with trio.open_signal_receiver(signal.SIGINT) as signals:
-                    async for _ in signals:
-                        interrupted = True
-                        nursery.cancel_scope.cancel()
-                        return
-
-            async def show() -> None:
-                if console is None:
-                    return
-                with Live(render_progress(progress), console=console, refresh_per_second=4,
-                          transient=True) as live:
-                    while True:
-                        live.update(render_progress(progress))
-                        await trio.sleep(0.25)
-
-            async def go() -> None:
-                nonlocal report
+        async with cancelled_on_interrupt(lambda: None,
+                                          lambda: leave_now(race.job_dir)) as interrupt:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(show)
                 report = await run_race(race, progress=progress)
                 nursery.cancel_scope.cancel()
-
-            nursery.start_soon(on_signal)
-            nursery.start_soon(show)
-            nursery.start_soon(go)
-    if interrupted or report is None:
+    if interrupt.received or report is None:
         raise KeyboardInterrupt
     return report
 
