@@ -299,8 +299,10 @@ def test_every_refusal_comes_before_harbor_loads(tmp_path: Path) -> None:
     cases = {
         "-n 0": ({"concurrency": 0}, "-n (--n-concurrent) must be at least 1, got 0"),
         "-k -1": ({"attempts": -1}, "-k (--n-attempts) must be at least 1, got -1"),
+        # Named by the -m given, not by the agent's provider_config the user never wrote.
         "an unknown scripted model": ({"model": "scripted/online"},
-                                      "scripted model 'online' does not exist"),
+                                      "-m scripted/online: scripted model 'online' does not "
+                                      "exist"),
         # Before: "model_name (-m) must be 'anthropic/offline'", of a -m never given.
         "a kind in --provider-config": ({"provider_settings": {"kind": "anthropic"}},
                                         "--provider-config names the provider's kind, which -m "

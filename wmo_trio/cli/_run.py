@@ -107,8 +107,19 @@ def agent_kwargs(options: RunOptions) -> dict[str, Any]:
         # Built only to be checked, as each trial's agent builds its own.
         provider_for(parse_arguments(kwargs), options.model).close()
     except ValueError as error:
-        raise BadInput(str(error)) from None
+        raise BadInput(_named_by_flag(str(error), options)) from None
     return kwargs
+
+
+def _named_by_flag(message: str, options: RunOptions) -> str:
+    """An agent argument's refusal, its `provider_config:` prefix named as this command's
+    user gave it: by -m alone when they passed no --provider-config (the scripted
+    model's check says `provider_config: scripted model 'online' does not exist`)."""
+    argument, colon, rest = message.partition(": ")
+    if colon and argument == "provider_config":
+        given = "--provider-config" if options.provider_settings else f"-m {options.model}"
+        return f"{given}: {rest}"
+    return message
 
 
 def _environment(name: str | None) -> dict[str, Any]:
