@@ -13,6 +13,8 @@ beside it: tests/test_e2b_backend.py, tests/test_sandbox_backend.py.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,20 @@ def test_a_runtime_is_closed_when_its_with_block_ends(backend: str, tmp_path: Pa
     assert runtime.control.interrupted  # close() interrupts whatever call is left
     with pytest.raises(RuntimeError, match="runs a single episode"):
         runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path, command_timeout_sec=30))
+
+
+def test_closing_a_runtime_while_it_runs_ends_the_episode_as_cancelled(backend: str,
+                                                                       tmp_path: Path) -> None:
+    # close() interrupts the control, the one stop signal, on every backend alike.
+    provider = Spy([{"text": "slow", "latency_s": 60}, {"text": "unused"}])
+    started = time.monotonic()
+    with build_runtime(make_doc(), provider, backend=backend) as runtime:
+        closer = threading.Thread(target=lambda: provider.calling.wait() and runtime.close())
+        closer.start()
+        result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path, command_timeout_sec=30))
+        closer.join()  # its kill of a remote sandbox may outlast the run
+    assert result.stop_reason is StopReason.CANCELLED
+    assert len(provider.requests) == 1 and time.monotonic() - started < 50
 
 
 def test_a_program_that_raises_ends_with_error_and_its_traceback(backend: str, tmp_path: Path) -> None:

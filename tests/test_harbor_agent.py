@@ -736,7 +736,7 @@ def build_runtime_with_defects(doc, provider, **kwargs):
         raise RuntimeBuildDefect("injected failure to build the runtime")
     if provider.config.kind == "episodedefect":
         return DefectiveRuntime(doc, provider, episode_timeout_sec=kwargs["episode_timeout_sec"],
-                                should_cancel=kwargs["should_cancel"],
+                                control=kwargs["control"],
                                 context_window=kwargs["context_window"],
                                 on_progress=kwargs["on_progress"])
     return healthy_build_runtime(doc, provider, **kwargs)

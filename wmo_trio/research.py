@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -183,12 +183,11 @@ class _PoolEpisode(RuntimeEpisode):
         self.stop_is_quick = backend != "e2b"
         self.started_at = datetime.now(UTC)
 
-    def start(self, control: CallControl,
-              should_cancel: Callable[[], bool]) -> tuple[Runtime, Environment]:
+    def start(self, control: CallControl) -> tuple[Runtime, Environment]:
         runtime = build_runtime(
             self.doc, self.provider, control=control, backend=self.backend,
             episode_timeout_sec=self.settings.episode_timeout_sec,
-            should_cancel=should_cancel, context_window=self.settings.context_window,
+            context_window=self.settings.context_window,
         )
         return runtime, _TrioEnvironmentAdapter(self.spec.environment, control)
 

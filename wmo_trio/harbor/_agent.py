@@ -218,9 +218,9 @@ class HarborEpisode(RuntimeEpisode):
     """One trial's episode, as the engine drives it (see `wmo_trio.engine.Episode`). It owns
     `provider`, which it closes in its cleanup.
 
-    When harbor cancels the agent: `stop()` makes `should_cancel` true and aborts the
-    runtime (the engine then cancels the environment command in flight); the engine waits
-    for the worker, then `close()` and `record()` run shielded, then the cancellation
+    When harbor cancels the agent: the engine interrupts the episode's control (which
+    cancels the environment command in flight) and `stop()` aborts the runtime; the engine
+    waits for the worker, then `close()` and `record()` run shielded, then the cancellation
     propagates. The partial trace says whether harbor's agent timeout or something else
     (an interrupted `harbor run`) cancelled it.
     """
@@ -247,8 +247,7 @@ class HarborEpisode(RuntimeEpisode):
         self.stop_is_quick = arguments.harness_backend != "e2b"
         self._cancel_reason: str | None = None
 
-    def start(self, control: CallControl,
-              should_cancel: Callable[[], bool]) -> tuple[Runtime, Environment]:
+    def start(self, control: CallControl) -> tuple[Runtime, Environment]:
         arguments = self._arguments
         # A task environment is mutable: an e2b transport failure is never replayed
         # against one an earlier attempt may have changed.
@@ -256,7 +255,7 @@ class HarborEpisode(RuntimeEpisode):
             arguments.harness, self._provider, control=control, backend=arguments.harness_backend,
             e2b_template=arguments.e2b_template,
             episode_timeout_sec=arguments.episode_timeout_sec,
-            should_cancel=should_cancel, context_window=arguments.context_window,
+            context_window=arguments.context_window,
             on_progress=self._report_usage, transport_retries=0,
         )
         return runtime, HarborEnvironmentAdapter(self._environment, control,
