@@ -36,9 +36,10 @@ def submit(answer: str = "done") -> dict[str, Any]:
 TEXT = {"text": "let me think"}
 
 
-def run(script: list[dict[str, Any]], tmp_path: Path, doc: Any = None, **kwargs: Any) -> Any:
+def run(script: list[dict[str, Any]], tmp_path: Path, doc: Any = None, **settings: Any) -> Any:
+    """The episode of `script`; `settings` are the episode's (`EpisodeSettings`)."""
     provider = Spy(script)
-    runtime = EpisodeRuntime(doc or make_doc(), provider, **kwargs)
+    runtime = EpisodeRuntime(doc or make_doc(), provider, settings)
     result = runtime.run("task", "do it", LocalDirEnvironment(tmp_path, command_timeout_sec=30))
     return result, provider
 
@@ -192,7 +193,7 @@ def test_an_environment_whose_interrupt_raises_does_not_stop_later_budgets(
             raise ConnectionError("the sandbox cannot be reached")
 
     provider = Spy([bash("sleep 30"), submit()])
-    first = EpisodeRuntime(make_doc(), provider, episode_timeout_sec=0.3)
+    first = EpisodeRuntime(make_doc(), provider, {"episode_timeout_sec": 0.3})
     assert first.run("t", "go", Unreachable(tmp_path)).stop_reason is StopReason.BUDGET
     # logged by the watcher thread once interrupt() raised, maybe after the episode returned
     limit = time.monotonic() + 30

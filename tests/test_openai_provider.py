@@ -644,7 +644,7 @@ INSTRUCTION = "Write 'hello' into greeting.txt, then submit."
 
 def run_episode(provider: Provider, workdir: Path) -> RunResult:
     workdir.mkdir()
-    with EpisodeRuntime(DOC, provider, episode_timeout_sec=60) as runtime:
+    with EpisodeRuntime(DOC, provider, {"episode_timeout_sec": 60}) as runtime:
         return runtime.run("greeting", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=10))
 
 

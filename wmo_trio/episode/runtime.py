@@ -22,9 +22,9 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Protocol, Self
+from typing import Any, Protocol, Self
 
 import outcome
 
@@ -68,27 +68,29 @@ class RuntimeBase(ABC):
     episode stops: `abort()` and `close()` send it, and so does the engine when the
     episode's caller is cancelled; the episode then ends as cancelled at its next boundary,
     and the call in flight is cancelled at once. The wall-clock budget ends the calls the
-    same way (`CallControl.expire`) and the episode with `budget`. Subclasses implement
-    `run` inside `self._episode(environment)`; one whose program runs elsewhere (a sandbox)
-    implements `kill_program` and `wake`.
+    same way (`CallControl.expire`) and the episode with `budget`.
+
+    `episode_settings`: the episode's limits (`EpisodeSettings`, taken as they are, or a
+    mapping checked by their rules). Subclasses implement `run` inside
+    `self._episode(environment)`; one whose program runs elsewhere (a sandbox) implements
+    `kill_program` and `wake`.
     """
 
     def __init__(
         self,
         doc: HarnessDoc,
         provider: Provider,
+        episode_settings: EpisodeSettings | Mapping[str, Any] | None = None,
         *,
         control: CallControl | None = None,
-        episode_timeout_sec: float = DEFAULT_EPISODE_TIMEOUT_SEC,
         should_cancel: Callable[[], bool] | None = None,
-        context_window: int | None = None,
         on_progress: Callable[[EpisodeLog], None] | None = None,
     ) -> None:
         self.doc = doc
         self.provider = provider
         self.control = control if control is not None else CallControl()
-        settings: EpisodeSettings = EpisodeSettings.parse(
-            {"episode_timeout_sec": episode_timeout_sec, "context_window": context_window})
+        settings = (episode_settings if isinstance(episode_settings, EpisodeSettings)
+                    else EpisodeSettings.parse(episode_settings or {}))
         self.episode_timeout_sec = settings.episode_timeout_sec
         self.context_window = settings.context_window
         self.log = EpisodeLog(on_progress)
@@ -187,6 +189,7 @@ class RuntimeBase(ABC):
         steps = self.log.steps()
         return RunResult(task_id=task_id, steps=steps, stop_reason=reason, answer=answer,
                          turns=count_tool_steps(steps), worker_usage=self.log.usage())
+
 
 class EpisodeRuntime(RuntimeBase):
     """Runs one episode of `doc` with `provider` in this process; see the module docstring.
