@@ -524,8 +524,8 @@ def test_the_server_is_checked_once_per_process_and_configuration(
 def test_a_check_of_another_server_loads_no_certificate_roots_again(
         server: ChatCompletionsServer, make_provider: Callable[..., OpenAIProvider],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # urllib's HTTPS handler loads them as it is built, for an http:// server too: the
-    # checks of a process share one.
+    # The checks share the process's one TLS context with the SDK clients: loading the
+    # roots is most of what a check would cost (for an http:// server too).
     make_provider()
     loads = count_root_loads(monkeypatch)
     make_provider(headers={"X-Title": "other"})  # another check, of another configuration

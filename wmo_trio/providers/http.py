@@ -97,11 +97,12 @@ class HTTPReply:
 
 
 @functools.cache
-def _tls_context() -> ssl.SSLContext:
-    """How every SDK client of this process verifies servers: the SSL context httpx builds
-    for a client by default, built once. Building one loads the system's certificate
-    roots, most of what a client costs, and a process builds a client per trio run and
-    configuration; one context serves any number of clients, connections and threads."""
+def tls_context() -> ssl.SSLContext:
+    """How every SDK client of this process verifies servers, and the `openai` kind's
+    server check too: the SSL context httpx builds for a client by default, built once.
+    Building one loads the system's certificate roots, most of what a client costs, and a
+    process builds a client per trio run and configuration; one context serves any number
+    of clients, connections and threads."""
     import httpx2
 
     return httpx2.create_ssl_context()
@@ -219,7 +220,7 @@ class HTTPProvider[S: HTTPSettings](ClosesOnExit, ABC):
     def _new_client(self) -> Any:
         """Import the SDK and build a client: called in a worker thread. Both would stall
         the trio thread, which serves every episode's calls: the first import takes
-        seconds, and the first client builds the process's SSL context (`_tls_context`;
+        seconds, and the first client builds the process's SSL context (`tls_context`;
         `benchmarks/sdk_cost.py`, run by the real-traffic scenario of
         `benchmarks/traffic.py`, measures the import and an SDK client built alone)."""
         import httpx2
@@ -231,7 +232,7 @@ class HTTPProvider[S: HTTPSettings](ClosesOnExit, ABC):
             timeout=self._settings.timeout_s,
             http_client=sdk.DefaultAsyncHttpxClient(
                 limits=httpx2.Limits(max_connections=limit, max_keepalive_connections=limit),
-                verify=_tls_context()))
+                verify=tls_context()))
 
     @abstractmethod
     def _client(self, **options: Any) -> Any:
