@@ -17,9 +17,9 @@ provider's wording), which the episode answers with an observation the model can
 from; a missing id is made up; `finish_reason` `length` is the output limit, an unknown or
 missing one is read from whether there are tool calls; a missing `usage` counts the call
 with zero tokens; a lone surrogate (half of an escaped pair) becomes U+FFFD. A reply
-without choices, or whose body is not JSON though it says it is (cut short, nested too
-deeply), is a retryable failure; a body that is not a chat completion at all (a web page:
-base_url names something else) is not.
+without choices is a retryable failure, unless its error says otherwise; a body that cannot
+be read is judged as for every kind (`wmo_trio.providers.http.reply_json`), and JSON that is
+not an object is no chat completion (base_url names another API).
 
 Model I/O is `HTTPProvider`'s (`http.py`), as for the Anthropic provider: the worker thread
 builds the body, and parses and maps the reply's body; the HTTP exchange alone runs on the
@@ -55,9 +55,16 @@ from wmo_trio.providers.base import (
     ProviderRequest,
     ProviderResponse,
     ToolCall,
+    api_key_from_environment,
     parse_tool_call,
 )
-from wmo_trio.providers.http import HTTPProvider, HTTPReply, HTTPSettings, reply_json, token_count
+from wmo_trio.providers.http import (
+    HTTPProvider,
+    HTTPReply,
+    HTTPSettings,
+    reply_json,
+    token_count,
+)
 from wmo_trio.providers.openai_check import check_server
 from wmo_trio.providers.retry import is_retryable_status
 from wmo_trio.settings import NonEmptyText
@@ -144,14 +151,9 @@ class OpenAIProvider(HTTPProvider[OpenAISettings]):
         _check_extra_body(settings.extra_body or {})
         api_key: str | None = None
         if settings.api_key_env is not None:
-            api_key = os.environ.get(settings.api_key_env, "").strip()
-            if not api_key:
-                raise ProviderConfigError(
-                    f"openai provider: no API key; set the environment variable "
-                    f"{settings.api_key_env} (or point the api_key_env setting at the variable "
-                    'that holds it; for a server that takes no key, such as a local vLLM, set '
-                    '"api_key_env": null)'
-                )
+            api_key = api_key_from_environment(
+                "openai", settings.api_key_env,
+                instead='; for a server that takes no key, such as a local vLLM, set "api_key_env": null')
         base_url = _checked_base_url(settings.base_url, api_key)
         if settings.check_server:
             check_server(base_url, api_key, settings.headers or {}, model=config.model,
@@ -214,12 +216,7 @@ class OpenAIProvider(HTTPProvider[OpenAISettings]):
     def response(self, reply: HTTPReply) -> ProviderResponse:
         """The `ProviderResponse` for what `send` returned; a `ProviderError` when the
         server's reply holds no answer."""
-        try:
-            completion = reply_json(reply.body, "openai-compatible server")
-        except ProviderError:
-            if reply.says_json:  # cut short, or nested too deeply: another try may do
-                raise
-            completion = None  # a page of another kind, as the SDK reads one
+        completion = reply_json(reply, f"openai-compatible server at {self._base_url}")
         if not isinstance(completion, dict):
             raise ProviderError(
                 f"openai-compatible server at {self._base_url}: the reply is not a chat "
