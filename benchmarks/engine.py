@@ -33,6 +33,7 @@ from wmo_trio.harness import parse_harness
 from wmo_trio.models import RunResult, StopReason
 from wmo_trio.providers import ProviderConfig
 from wmo_trio.providers.scripted import ScriptedProvider, load_script
+from wmo_trio.settings import EpisodeSettings
 from wmo_trio.trace import CANCELLED_BY_CALLER, TraceIdentity, trace_for, write_trace
 
 IMPLS = ("baseline", "thread", "guest", "trio-asyncio")
@@ -40,6 +41,7 @@ DOC = parse_harness({"name": "bench", "surfaces": [
     {"id": "prompt:core", "kind": "prompt", "content": "benchmark"},
     {"id": "param:max-turns", "kind": "param", "content": "100"},
     {"id": "param:max-env-actions", "kind": "param", "content": "100"}]})
+SETTINGS = EpisodeSettings(episode_timeout_sec=3600)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -101,7 +103,7 @@ class BenchEpisode:
 
     def run(self, control: CallControl) -> RunResult:
         self.worker_started = time.perf_counter()
-        runtime = EpisodeRuntime(DOC, self.provider, control=control, episode_timeout_sec=3600,
+        runtime = EpisodeRuntime(DOC, self.provider, SETTINGS, control=control,
                                  should_cancel=self.cancel.is_set)
         with self.lock:
             self.runtime = runtime

@@ -97,7 +97,7 @@ def _start(n: int, workdir: Path) -> dict[str, Any]:
     for index in range(n + 1):  # the first round warms each variant (imports, the pool)
         for name, (backend, settings) in variants.items():
             provider = _Timed(0.0)
-            runtime = build_runtime(doc, provider, backend=backend, sandbox_settings=settings)
+            runtime = build_runtime(doc, provider, backend=backend, backend_settings=settings)
             began = time.perf_counter()
             result = runtime.run(f"{name}-{index}", "go", LocalDirEnvironment(workdir))
             ended = time.perf_counter()

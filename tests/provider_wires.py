@@ -156,6 +156,10 @@ class Wire(ABC):
     def arguments_from_json(self, text: str) -> Arguments:
         """Tool-call arguments that the server sends as this JSON text."""
 
+    @abstractmethod
+    def sent_key(self, headers: Mapping[str, str]) -> str | None:
+        """The API key a model call carried, read from its (lowercased) headers."""
+
     def error(self, status: int, message: str = "test error", *,
               headers: Mapping[str, str] | None = None) -> Reply:
         return self._api.error(status, message, headers=headers)
@@ -221,6 +225,11 @@ class AnthropicWire(Wire):
     def arguments_from_json(self, text: str) -> Arguments:
         return json.loads(text)  # the API's tool input is JSON in the body, not a string
 
+    def sent_key(self, headers: Mapping[str, str]) -> str | None:
+        # The SDK sends it as x-api-key (or as a bearer token, with an auth token instead).
+        bearer = headers.get("authorization", "").removeprefix("Bearer ")
+        return headers.get("x-api-key") or bearer or None
+
 
 class OpenAIWire(Wire):
     kind = "openai"
@@ -264,6 +273,10 @@ class OpenAIWire(Wire):
 
     def arguments_from_json(self, text: str) -> Arguments:
         return text  # the wire format carries the arguments as a string
+
+    def sent_key(self, headers: Mapping[str, str]) -> str | None:
+        authorization = headers.get("authorization")
+        return authorization.removeprefix("Bearer ") if authorization else None
 
 
 WIRES: dict[str, type[Wire]] = {"anthropic": AnthropicWire, "openai": OpenAIWire}

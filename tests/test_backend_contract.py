@@ -13,6 +13,9 @@ beside it: tests/test_e2b_backend.py, tests/test_sandbox_backend.py.
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ from doubles import Spy, make_doc, untimed
 from e2b_fake import FakeE2B
 from test_code_runtime import AGENT, INSTRUCTION, SOLVE, code_doc
 
-from wmo_trio.backends import build_runtime
+from wmo_trio.backends import BACKENDS, build_runtime
 from wmo_trio.backends.sandbox import sandbox_problem
 from wmo_trio.episode import LocalDirEnvironment, channel
 from wmo_trio.episode.channel import MAX_FREE_CALLS
@@ -48,8 +51,12 @@ def backend(request: pytest.FixtureRequest) -> str:
     return name
 
 
-def run_on(backend: str, doc: HarnessDoc, provider: Any, workdir: Path, **kwargs: Any) -> RunResult:
-    with build_runtime(doc, provider, backend=backend, **kwargs) as runtime:
+def run_on(backend: str, doc: HarnessDoc, provider: Any, workdir: Path, *,
+           should_cancel: Callable[[], bool] | None = None,
+           backend_settings: dict[str, Any] | None = None, **settings: Any) -> RunResult:
+    """The episode of `doc` on `backend`; `settings` are the episode's (`EpisodeSettings`)."""
+    with build_runtime(doc, provider, settings, backend=backend, backend_settings=backend_settings,
+                       should_cancel=should_cancel) as runtime:
         return runtime.run("task", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=30))
 
 
@@ -81,6 +88,27 @@ def test_a_runtime_is_closed_when_its_with_block_ends(backend: str, tmp_path: Pa
     assert runtime.control.interrupted  # close() interrupts whatever call is left
     with pytest.raises(RuntimeError, match="runs a single episode"):
         runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path, command_timeout_sec=30))
+
+
+def test_a_backend_named_builds_the_runtime_it_declares(backend: str) -> None:
+    declared = BACKENDS[backend]
+    with build_runtime(code_doc(AGENT), Spy(SOLVE), backend=backend) as runtime:
+        assert type(runtime) is declared.runtime_class()
+    assert declared.name == backend
+
+
+def test_closing_a_runtime_while_it_runs_ends_the_episode_as_cancelled(backend: str,
+                                                                       tmp_path: Path) -> None:
+    # close() interrupts the control, the one stop signal, on every backend alike.
+    provider = Spy([{"text": "slow", "latency_s": 60}, {"text": "unused"}])
+    started = time.monotonic()
+    with build_runtime(make_doc(), provider, backend=backend) as runtime:
+        closer = threading.Thread(target=lambda: provider.calling.wait() and runtime.close())
+        closer.start()
+        result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path, command_timeout_sec=30))
+        closer.join()  # its kill of a remote sandbox may outlast the run
+    assert result.stop_reason is StopReason.CANCELLED
+    assert len(provider.requests) == 1 and time.monotonic() - started < 50
 
 
 def test_a_program_that_raises_ends_with_error_and_its_traceback(backend: str, tmp_path: Path) -> None:
@@ -227,6 +255,15 @@ def test_a_refused_request_ends_the_episode_with_error_and_says_why(
 # =======================================================================================
 # In this process only
 # =======================================================================================
+
+
+def test_a_backends_settings_are_checked_by_its_own_model_before_anything_runs() -> None:
+    with pytest.raises(ValueError, match=r"^harness_backend='local' takes no settings$"):
+        build_runtime(make_doc(), Spy(SOLVE), backend="local", backend_settings={"cpus": 2})
+    with pytest.raises(ValueError, match=r"^harness_backend='sandbox': unknown setting cpu "):
+        build_runtime(make_doc(), Spy(SOLVE), backend="sandbox", backend_settings={"cpu": 2})
+    with pytest.raises(ValueError, match=r"^harness_backend must be one of 'local', 'e2b', 'sandbox'"):
+        build_runtime(make_doc(), Spy(SOLVE), backend="docker")
 
 
 def test_in_process_a_request_whose_values_are_not_json_is_refused(tmp_path: Path) -> None:

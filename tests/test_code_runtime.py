@@ -62,9 +62,10 @@ def code_doc(source: str, *, policy: str | None = None, skill: str | None = None
 
 
 def run_code(doc: HarnessDoc, script: list[dict[str, Any]], workdir: Path,
-             **kwargs: Any) -> tuple[RunResult, Spy]:
+             **settings: Any) -> tuple[RunResult, Spy]:
+    """The episode of `doc`; `settings` are the episode's (`EpisodeSettings`)."""
     provider = Spy(script)
-    runtime = EpisodeRuntime(doc, provider, **kwargs)
+    runtime = EpisodeRuntime(doc, provider, settings)
     result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=30))
     return result, provider
 

@@ -151,7 +151,8 @@ def test_a_runner_dying_mid_episode_ends_with_error_and_is_not_replayed(e2b: Fak
                                                                         tmp_path: Path) -> None:
     e2b.faults.kill_at_input = 2  # it dies waiting for the answer to its first tool call
     created = len(e2b.created)
-    result = run_on("e2b", load_harness(HARNESS), offline(), tmp_path, transport_retries=1)
+    result = run_on("e2b", load_harness(HARNESS), offline(), tmp_path,
+                    backend_settings={"transport_retries": 1})
     assert result.stop_reason is StopReason.ERROR
     write, failure = result.steps
     assert write.action.name == "write_file" and (tmp_path / "out" / "greeting.txt").exists()
@@ -178,7 +179,8 @@ def test_a_transport_failure_before_any_environment_action_is_replayed(e2b: Fake
                                                                        tmp_path: Path) -> None:
     e2b.faults.kill_at_input = 1  # dies waiting for its first model reply
     created = len(e2b.created)
-    result = run_on("e2b", load_harness(HARNESS), offline(), tmp_path, transport_retries=1)
+    result = run_on("e2b", load_harness(HARNESS), offline(), tmp_path,
+                    backend_settings={"transport_retries": 1})
     assert result.stop_reason is StopReason.SUBMITTED
     first, second = e2b.created[created:]
     assert first in e2b.killed and second in e2b.killed
@@ -286,14 +288,14 @@ def test_check_backend_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("E2B_API_KEY", raising=False)
     with pytest.raises(ValueError, match="set the E2B_API_KEY environment variable"):
         check_backend("e2b", None)
-    check_backend("e2b", None, api_key="given")
+    check_backend("e2b", None, settings={"api_key": "given"})
     with pytest.raises(ValueError, match="e2b_template is only valid with harness_backend='e2b'"):
         check_backend("local", "base")
     with pytest.raises(ValueError,
                        match="harness_backend must be one of 'local', 'e2b', 'sandbox', got 'docker'"):
         check_backend("docker")
     with pytest.raises(ValueError, match="e2b_template must be a non-empty"):
-        check_backend("e2b", " ", api_key="given")
+        check_backend("e2b", " ", settings={"api_key": "given"})
     monkeypatch.setenv("E2B_API_KEY", "key")
     check_backend("e2b", "my-template")
     check_backend("local")
@@ -307,9 +309,8 @@ def test_build_runtime_chooses_the_runtime(monkeypatch: pytest.MonkeyPatch, back
                                            expected: type) -> None:
     monkeypatch.setenv("E2B_API_KEY", "key")
     doc = code_doc(AGENT) if code else make_doc()
-    runtime = build_runtime(doc, offline(), backend=backend,
-                            e2b_template="mine" if backend == "e2b" else None,
-                            transport_retries=2 if backend == "e2b" else None)
+    runtime = build_runtime(doc, offline(), backend=backend, backend_settings=(
+        {"template": "mine", "transport_retries": 2} if backend == "e2b" else None))
     assert type(runtime) is expected
     if isinstance(runtime, E2BRuntime):
         assert (runtime.settings.template, runtime.settings.transport_retries) == ("mine", 2)
@@ -406,6 +407,6 @@ def test_a_replayed_episode_has_its_whole_turn_limit_again(e2b: FakeE2B, tmp_pat
     e2b.faults.kill_at_input = 1  # dies waiting for its first model reply
     doc = load_harness(HARNESS).with_surfaces(
         {"id": "param:max-turns", "kind": "param", "content": "3"})
-    result = run_on("e2b", doc, offline(), tmp_path, transport_retries=1)
+    result = run_on("e2b", doc, offline(), tmp_path, backend_settings={"transport_retries": 1})
     assert result.stop_reason is StopReason.SUBMITTED
     assert [s.action.name for s in result.steps[1:]] == ["write_file", "read_file", "submit"]

@@ -67,6 +67,7 @@ class FakeEpisode:
     def stop(self) -> None:
         self._note("stop")
         self.stop_thread = threading.current_thread()
+        self.interrupted_before_stop = self.control.interrupted
         self.stopping.set()
 
     def close(self) -> None:
@@ -123,6 +124,14 @@ async def test_a_cancelled_episode_is_stopped_waited_for_cleaned_up_then_cancell
     assert scope.cancelled_caught
     assert episode.events == ["run", "stop", "close", ("record", "Value", True)]
     assert episode.worker_returned_at is not None
+
+
+async def test_a_cancel_interrupts_the_episodes_control_before_its_stop() -> None:
+    # The interrupt is the episode's one stop signal; stop() is only what it takes besides.
+    with trio.CancelScope() as scope:
+        episode = FakeEpisode(duration=30, on_run=cancelling(scope))
+        await EpisodeEngine().run_episode(episode)
+    assert episode.interrupted_before_stop
 
 
 @pytest.mark.parametrize("quick", [False, True])

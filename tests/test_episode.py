@@ -36,9 +36,10 @@ def submit(answer: str = "done") -> dict[str, Any]:
 TEXT = {"text": "let me think"}
 
 
-def run(script: list[dict[str, Any]], tmp_path: Path, doc: Any = None, **kwargs: Any) -> Any:
+def run(script: list[dict[str, Any]], tmp_path: Path, doc: Any = None, **settings: Any) -> Any:
+    """The episode of `script`; `settings` are the episode's (`EpisodeSettings`)."""
     provider = Spy(script)
-    runtime = EpisodeRuntime(doc or make_doc(), provider, **kwargs)
+    runtime = EpisodeRuntime(doc or make_doc(), provider, settings)
     result = runtime.run("task", "do it", LocalDirEnvironment(tmp_path, command_timeout_sec=30))
     return result, provider
 
@@ -192,11 +193,11 @@ def test_an_environment_whose_interrupt_raises_does_not_stop_later_budgets(
             raise ConnectionError("the sandbox cannot be reached")
 
     provider = Spy([bash("sleep 30"), submit()])
-    first = EpisodeRuntime(make_doc(), provider, episode_timeout_sec=0.3)
+    first = EpisodeRuntime(make_doc(), provider, {"episode_timeout_sec": 0.3})
     assert first.run("t", "go", Unreachable(tmp_path)).stop_reason is StopReason.BUDGET
     # logged by the watcher thread once interrupt() raised, maybe after the episode returned
     limit = time.monotonic() + 30
-    while "a deadline's callback raised" not in caplog.text:
+    while "cancelling a call in flight of an ending episode failed" not in caplog.text:
         assert time.monotonic() < limit, "the raising interrupt() was never logged"
         time.sleep(0.01)
     started = time.monotonic()
@@ -235,6 +236,28 @@ def test_abort_interrupts_a_model_call_in_flight(tmp_path: Path) -> None:
     result = runtime.run("t", "go", LocalDirEnvironment(tmp_path))
     assert result.stop_reason is StopReason.CANCELLED
     assert time.monotonic() - started < 10
+
+
+def test_an_interrupt_of_its_control_alone_ends_the_episode_as_cancelled(tmp_path: Path) -> None:
+    # The control's interrupt is the one stop signal: no flag of the runtime's beside it.
+    provider = Spy([{**bash("true"), "latency_s": 30}, submit()])
+    runtime = EpisodeRuntime(make_doc(), provider)
+    when(provider.calling, runtime.control.interrupt)
+    started = time.monotonic()
+    result = runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+    assert result.stop_reason is StopReason.CANCELLED
+    assert len(provider.requests) == 1 and time.monotonic() - started < 10
+
+
+def test_a_true_should_cancel_interrupts_the_control(tmp_path: Path) -> None:
+    runtime = EpisodeRuntime(make_doc(), Spy([submit()]), should_cancel=lambda: True)
+    assert runtime.run("t", "go", LocalDirEnvironment(tmp_path)).stop_reason is StopReason.CANCELLED
+    assert runtime.control.interrupted
+
+
+def test_the_wall_clock_budget_ends_the_calls_without_interrupting_the_episode(tmp_path: Path) -> None:
+    result, _ = run([{**bash("true"), "latency_s": 30}], tmp_path, episode_timeout_sec=0.3)
+    assert result.stop_reason is StopReason.BUDGET  # not cancelled: the deadline is not a stop
 
 
 def test_abort_kills_the_command_in_flight(tmp_path: Path) -> None:

@@ -84,12 +84,12 @@ async def test_the_agent_and_the_research_api_say_the_same_of_the_same_value(
 @pytest.mark.parametrize("value", BAD_WINDOWS)
 def test_a_runtime_built_directly_refuses_a_bad_context_window(value: Any) -> None:
     with pytest.raises(ValueError, match=r"^context_window must be null or an integer >= 1024"):
-        EpisodeRuntime(parse_harness(DOC), build_provider(OFFLINE), context_window=value)
+        EpisodeRuntime(parse_harness(DOC), build_provider(OFFLINE), {"context_window": value})
 
 
 def test_a_runtime_built_directly_names_the_budget_as_the_agent_does() -> None:
     with pytest.raises(ValueError, match=r"^episode_timeout_sec must be a finite positive number"):
-        EpisodeRuntime(parse_harness(DOC), build_provider(OFFLINE), episode_timeout_sec=0)
+        EpisodeRuntime(parse_harness(DOC), build_provider(OFFLINE), {"episode_timeout_sec": 0})
 
 
 @pytest.mark.parametrize("value", [0, -1, math.nan, True, "30"])

@@ -730,16 +730,14 @@ class CloseFailingProvider(ScriptedProvider):
         raise RuntimeError("injected failure to close the provider")
 
 
-def build_runtime_with_defects(doc, provider, **kwargs):
+def build_runtime_with_defects(doc, provider, *args, **kwargs):
     # The provider arrives wrapped (retries); its configuration names the kind.
     if provider.config.kind == "builddefect":
         raise RuntimeBuildDefect("injected failure to build the runtime")
     if provider.config.kind == "episodedefect":
-        return DefectiveRuntime(doc, provider, episode_timeout_sec=kwargs["episode_timeout_sec"],
-                                should_cancel=kwargs["should_cancel"],
-                                context_window=kwargs["context_window"],
+        return DefectiveRuntime(doc, provider, *args, control=kwargs["control"],
                                 on_progress=kwargs["on_progress"])
-    return healthy_build_runtime(doc, provider, **kwargs)
+    return healthy_build_runtime(doc, provider, *args, **kwargs)
 
 
 # Scripted providers by other names: the kind says which defect a trial gets.

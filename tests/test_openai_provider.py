@@ -139,12 +139,6 @@ def test_a_blank_system_prompt_sends_no_system_message(server: ChatCompletionsSe
     assert [m["role"] for m in body["messages"]] == ["user"]
 
 
-def test_the_api_key_is_sent_as_a_bearer_token(server: ChatCompletionsServer,
-                                               provider: OpenAIProvider) -> None:
-    sent(server, provider, request())
-    assert server.completions[-1].headers["authorization"] == f"Bearer {api.API_KEY}"
-
-
 def test_tool_specs_are_sent_as_function_tools(server: ChatCompletionsServer,
                                                provider: OpenAIProvider) -> None:
     schema = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
@@ -423,12 +417,19 @@ def test_a_reply_without_choices_with_a_client_error_code_is_not_retried(
     assert (caught.value.status, caught.value.retryable) == (400, False)
 
 
-def test_a_reply_that_is_a_web_page_is_a_failure_naming_base_url(server: ChatCompletionsServer,
-                                                                 provider: OpenAIProvider) -> None:
+def test_a_reply_that_is_a_web_page_names_base_url(server: ChatCompletionsServer,
+                                                   provider: OpenAIProvider) -> None:
+    # Not retried (tests/test_provider_contract.py); the kind says where it asked.
     with pytest.raises(ProviderError) as caught:
         answer(server, provider, api.raw(b"<html>Welcome to nginx</html>"))
-    assert not caught.value.retryable
-    assert server.base_url in str(caught.value) and "nginx" in str(caught.value)
+    assert server.base_url in str(caught.value)
+
+
+def test_json_that_is_not_an_object_is_no_chat_completion(server: ChatCompletionsServer,
+                                                          provider: OpenAIProvider) -> None:
+    with pytest.raises(ProviderError) as caught:
+        answer(server, provider, api.Reply(200, ["not", "a", "completion"]))
+    assert not caught.value.retryable and "not a chat completion" in str(caught.value)
 
 
 # -- errors ----------------------------------------------------------------------------
@@ -524,8 +525,8 @@ def test_the_server_is_checked_once_per_process_and_configuration(
 def test_a_check_of_another_server_loads_no_certificate_roots_again(
         server: ChatCompletionsServer, make_provider: Callable[..., OpenAIProvider],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # urllib's HTTPS handler loads them as it is built, for an http:// server too: the
-    # checks of a process share one.
+    # The checks share the process's one TLS context with the SDK clients: loading the
+    # roots is most of what a check would cost (for an http:// server too).
     make_provider()
     loads = count_root_loads(monkeypatch)
     make_provider(headers={"X-Title": "other"})  # another check, of another configuration
@@ -644,7 +645,7 @@ INSTRUCTION = "Write 'hello' into greeting.txt, then submit."
 
 def run_episode(provider: Provider, workdir: Path) -> RunResult:
     workdir.mkdir()
-    with EpisodeRuntime(DOC, provider, episode_timeout_sec=60) as runtime:
+    with EpisodeRuntime(DOC, provider, {"episode_timeout_sec": 60}) as runtime:
         return runtime.run("greeting", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=10))
 
 

@@ -182,6 +182,17 @@ def test_a_broken_connection_is_a_retryable_error(wire: Wire, provider: AnyHTTPP
     assert "connection failed" in str(caught.value)
 
 
+def test_a_reply_that_is_a_web_page_is_a_failure_naming_what_came_and_base_url(
+        wire: Wire, provider: AnyHTTPProvider) -> None:
+    # One rule for every kind (wmo_trio.providers.http.reply_json): the same server would
+    # send the same page, and neither SDK retries a 200 whatever its body.
+    with pytest.raises(ProviderError) as caught:
+        answer(wire, provider, wire.raw(b"<html>Welcome to nginx</html>", content_type="text/html"))
+    assert not caught.value.retryable
+    assert "text/html" in str(caught.value) and "nginx" in str(caught.value)
+    assert "base_url" in str(caught.value)
+
+
 @pytest.mark.parametrize(("body", "problem"), [
     (b'{"choices": [', "not JSON"),
     (NESTED_TOO_DEEPLY, "not JSON (nested too deeply)"),
@@ -347,6 +358,21 @@ def test_a_missing_api_key_fails_at_construction_naming_the_variable(
     assert wire.server.requests == []
 
 
+def test_a_blank_key_is_no_key(wire: Wire, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(wire.key_env, " \n")
+    with pytest.raises(ProviderConfigError, match=f"no API key; set the environment variable {wire.key_env}"):
+        build_provider(wire.settings())
+    assert wire.server.requests == []
+
+
+def test_the_key_is_sent_as_its_variable_holds_it_without_surrounding_whitespace(
+        wire: Wire, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(wire.key_env, f"  {wire.api_key}\n")  # pasted with its line break
+    with build_provider(wire.settings()) as provider:
+        assert answer(wire, provider, wire.text("keyed")).text == "keyed"
+    assert wire.sent_key(wire.calls[-1].headers) == wire.api_key
+
+
 def test_without_api_key_env_the_kinds_own_key_variable_is_read(
         wire: Wire, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(wire.default_key_env, raising=False)
@@ -457,6 +483,14 @@ def test_retries_stop_at_max_attempts(wire: Wire, make_built: Callable[..., Prov
         make_built(retry={**FAST_RETRY, "max_attempts": 3}).complete(request(), CallControl())
     assert caught.value.status == 529
     assert len(wire.calls) == 3
+
+
+def test_a_reply_that_is_a_web_page_is_not_retried(wire: Wire, make_built: Callable[..., Provider]) -> None:
+    wire.enqueue(wire.raw(b"<html>login</html>", content_type="text/html; charset=utf-8"),
+                 wire.text("unused"))
+    with pytest.raises(ProviderError, match="login"):
+        make_built(retry=FAST_RETRY).complete(request(), CallControl())
+    assert len(wire.calls) == 1
 
 
 @pytest.mark.parametrize("body", [b'{"choices": [', NESTED_TOO_DEEPLY], ids=["broken", "too-deep"])

@@ -128,7 +128,7 @@ def test_the_built_in_loop_runs_in_the_sandbox_too(tmp_path: Path, runners: Runn
 
     script = [{"text": "", "tool_calls": [{"name": "bash", "arguments": {"command": "echo hi"}}]},
               {"text": "", "tool_calls": [{"name": "submit", "arguments": {"answer": "ok"}}]}]
-    runtime = build_runtime(make_doc(), Spy(script), backend="sandbox", sandbox_settings=COLD)
+    runtime = build_runtime(make_doc(), Spy(script), backend="sandbox", backend_settings=COLD)
     try:
         result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path, command_timeout_sec=30))
     finally:

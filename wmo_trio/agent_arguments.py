@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Self
 from harbor.agents.options import AgentOptions
 from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 
-from wmo_trio.backends import BackendChoice, check_e2b_key, check_sandbox, resolve_backend
+from wmo_trio.backends import Backend, BackendChoice, backend_named, resolve_backend
 from wmo_trio.engine import DEFAULT_EPISODE_WORKERS
 from wmo_trio.harness import HarnessDoc, HarnessError, harness_from
 from wmo_trio.providers import (
@@ -97,6 +97,12 @@ class AgentArguments(AgentOptions, EpisodeSettings, BackendChoice):  # type: ign
     episode_timeout_sec: PositiveSeconds = DEFAULT_EPISODE_TIMEOUT_SEC
     episode_workers: PositiveInt = DEFAULT_EPISODE_WORKERS
 
+    @property
+    def backend(self) -> Backend:
+        """The backend the episodes run on: the one named, or the one the document and
+        this machine choose."""
+        return backend_named(resolve_backend(self.harness, self.harness_backend))
+
     @model_validator(mode="after")
     def _document_is_the_pinned_one(self) -> Self:
         if self.doc_hash is not None and self.doc_hash != self.harness.doc_hash:
@@ -130,10 +136,8 @@ def provider_for(arguments: AgentArguments, model_name: str | None, *,
     config = arguments.provider_config
     if check_model_name:
         check_model_name_matches(model_name, config)
-    if arguments.harness_backend == "e2b":
-        check_e2b_key()
-    elif arguments.harness_backend == "sandbox":
-        check_sandbox()
+    backend = arguments.backend
+    backend.check(backend.settings_for(arguments.backend_settings))
     try:
         return build_provider(config)
     except ProviderConfigError as error:

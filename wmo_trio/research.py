@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import outcome
 import trio
 
-from wmo_trio.backends import build_runtime, check_backend, resolve_backend
+from wmo_trio.backends import Backend, build_runtime, choice_may_block, choose_backend
 from wmo_trio.control import CallControl
 from wmo_trio.engine import call_asyncio, current_engine
 from wmo_trio.episode.environment import (
@@ -175,21 +175,16 @@ class _PoolEpisode(RuntimeEpisode):
     """An `Episode` (see `wmo_trio.engine.Episode`) for a trio-native environment."""
 
     def __init__(self, spec: EpisodeSpec, settings: EpisodeSettings, doc: HarnessDoc,
-                 provider: Provider, backend: str) -> None:
+                 provider: Provider, backend: Backend) -> None:
         super().__init__(spec.task_id, spec.instruction)
         self.spec, self.settings, self.doc, self.provider = spec, settings, doc, provider
         self.backend = backend
-        # An E2B sandbox is killed over the network: that stop gets a thread of its own.
-        self.stop_is_quick = backend != "e2b"
+        self.stop_is_quick = backend.abort_is_quick
         self.started_at = datetime.now(UTC)
 
-    def start(self, control: CallControl,
-              should_cancel: Callable[[], bool]) -> tuple[Runtime, Environment]:
-        runtime = build_runtime(
-            self.doc, self.provider, control=control, backend=self.backend,
-            episode_timeout_sec=self.settings.episode_timeout_sec,
-            should_cancel=should_cancel, context_window=self.settings.context_window,
-        )
+    def start(self, control: CallControl) -> tuple[Runtime, Environment]:
+        runtime = build_runtime(self.doc, self.provider, self.settings, backend=self.backend.name,
+                                control=control)
         return runtime, _TrioEnvironmentAdapter(self.spec.environment, control)
 
     def record(self, result: outcome.Outcome[RunResult], cancelled: bool) -> None:
@@ -229,12 +224,12 @@ class _Resolved:
             known = self._docs[key] = (value, parsed)
         return known[1]
 
-    async def backend(self, doc: HarnessDoc, backend: str | None) -> str:
-        """`backend` checked and chosen for `doc` when None; off the trio thread where that
+    async def backend(self, doc: HarnessDoc, backend: str | None) -> Backend:
+        """`backend` checked, or chosen for `doc` when None; off the trio thread where that
         may look at the machine (the first look starts a sandbox)."""
-        if backend == "local" or (backend is None and doc.runtime_code is None):
-            return _checked_backend(doc, backend)
-        return await trio.to_thread.run_sync(_checked_backend, doc, backend)
+        if choice_may_block(doc, backend):
+            return await trio.to_thread.run_sync(choose_backend, doc, backend)
+        return choose_backend(doc, backend)
 
     async def provider(self, value: ProviderConfig | Mapping[str, Any] | Provider) -> Provider:
         if not isinstance(value, ProviderConfig | Mapping):
@@ -259,11 +254,6 @@ class _Resolved:
     def close(self) -> None:
         for provider in self._providers.values():
             provider.close()
-
-
-def _checked_backend(doc: HarnessDoc, backend: str | None) -> str:
-    check_backend(backend)
-    return resolve_backend(doc, backend)
 
 
 def _prepared_provider(config: dict[str, Any]) -> Provider:

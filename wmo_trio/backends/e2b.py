@@ -219,8 +219,6 @@ class E2BRuntime(RuntimeBase):
 
     # -- control from other threads -------------------------------------------------------
 
-    closing_stops = True
-
     def kill_program(self) -> None:
         """Kill the sandbox (which wakes the serving thread too)."""
         self._kill_sandbox()

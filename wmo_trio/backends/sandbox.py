@@ -577,8 +577,6 @@ class SandboxRuntime(RuntimeBase):
         self.settings = settings or SandboxSettings()
         self._runner: _Runner | None = None
 
-    closing_stops = True
-
     def kill_program(self) -> None:
         """Kill the sandbox: a signal, quick from any thread."""
         with self._lock:

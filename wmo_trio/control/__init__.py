@@ -12,11 +12,13 @@ provider and its environment:
 - `blocking()`: around any other wait of the worker's own (a blocking SDK call), so that
   the engine's `RunGate` lets another worker run meanwhile.
 
-`interrupt()` (any thread; the engine calls it when the episode's caller is cancelled, the
-runtime when it is aborted or out of budget) is sticky: it cancels every call in flight at
-once (trio's cancel scope, asyncio's task cancellation) and makes every later call fail
-with `CallInterrupted` before it starts. That is how a stopped episode never makes another
-model call and never runs another command.
+`interrupt()` (any thread) is the one signal that an episode stops: the engine sends it
+when the episode's caller is cancelled, a runtime when it is aborted or closed, and the
+episode ends as cancelled at its next boundary (`interrupted`). `expire()` is the deadline's
+(the runtime's watch sends it): the episode ends for its budget instead. Either is sticky:
+it cancels every call in flight at once (trio's cancel scope, asyncio's task cancellation)
+and makes every later call fail with `CallInterrupted` before it starts. That is how a
+stopped episode never makes another model call and never runs another command.
 
 The parts, one job each: `_interrupts` (the sticky interrupt and the cancellations of the
 calls in flight), `_gate` (the engine's `RunGate` and a worker's place in it), `_bridges`
@@ -63,16 +65,25 @@ class CallControl:
 
     @property
     def interrupted(self) -> bool:
+        """Whether the episode was interrupted: it stops (as cancelled) at its next boundary."""
         return self._interrupts.interrupted
 
     def interrupt(self) -> None:
-        """Cancel every call in flight and refuse every later one. Idempotent."""
+        """Stop the episode: cancel every call in flight and refuse every later one, and
+        from now on `interrupted` is true (before any call is cancelled). Idempotent."""
         self._interrupts.interrupt()
 
+    def expire(self) -> None:
+        """The episode's deadline came: cancel every call in flight and refuse every later
+        one, as `interrupt` does, without interrupting it (it ends for its budget).
+        Idempotent."""
+        self._interrupts.end_calls(interrupt=False)
+
     def on_interrupt(self, cancel: Callable[[], None]) -> int | None:
-        """Register `cancel` to run (in the interrupting thread) when the episode is
-        interrupted. Returns a key for `forget`, or None when the episode is interrupted
-        already, in which case `cancel` was not registered and the caller must not start."""
+        """Register `cancel` to run (in the calling thread of `interrupt` or `expire`, the
+        first of them) when the episode's calls end. Returns a key for `forget`, or None
+        when they have ended already, in which case `cancel` was not registered and the
+        caller must not start."""
         return self._interrupts.register(cancel)
 
     def forget(self, key: int | None) -> None:

@@ -1,5 +1,6 @@
 """The calls an episode's worker makes into an event loop: a trio run (`run_in_trio`) or
-the host's asyncio loop (`run_on_loop`), each cancelled at once by the episode's interrupt."""
+the host's asyncio loop (`run_on_loop`), each cancelled at once by the episode's interrupt
+or its deadline."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def run_on_loop[T](interrupts: Interrupts, place: GatePlace, loop: asyncio.Abstr
     started: list[asyncio.Task[T]] = []
 
     def start() -> None:  # on the host loop
-        if interrupts.interrupted:
+        if interrupts.ended:
             _settle(done, error=CallInterrupted("the episode is stopping; call not started"))
             return
         task = loop.create_task(_awaited(afn, args))

@@ -40,8 +40,9 @@ TRACE_LOST = "writing the trace of a stopped episode failed"
 
 class Episode(Protocol):
     """One episode as the engine drives it. The engine calls, in order: `run` in a worker
-    thread; `stop` (at most once) if the caller is cancelled while `run` is going; then
-    `close` and `record`, both shielded from cancellation, in the worker's thread.
+    thread; if the caller is cancelled while `run` is going, it interrupts `control` (the
+    episode's one stop signal) and then calls `stop` (at most once); then `close` and
+    `record`, both shielded from cancellation, in the worker's thread.
 
     `stop_is_quick` says that `stop` only sets flags and wakes threads (never does I/O or
     waits for a lock held across I/O): the engine then calls it on the trio thread, which
@@ -52,12 +53,12 @@ class Episode(Protocol):
 
     def run(self, control: CallControl) -> RunResult:
         """Run the episode to its end; every wait goes through `control`. Blocking; must
-        return soon after `stop()` and after `control` is interrupted."""
+        return soon after `control` is interrupted."""
         ...
 
     def stop(self) -> None:
-        """Ask `run` to return as soon as it can (cooperative cancel, abort the runtime).
-        The engine interrupts the episode's `control` right after."""
+        """Whatever else stopping takes, once `control` is interrupted (killing a program
+        that runs elsewhere, noting why it stopped)."""
         ...
 
     def close(self) -> None:
@@ -195,9 +196,10 @@ class EpisodeEngine:
                 await trio.sleep_forever()
             except trio.Cancelled:
                 if state.request_stop():
-                    # stop() first: it marks the episode cancelled before its call in flight
-                    # is interrupted, so the worker cannot take that failure for a reason to
-                    # make one more model call. Then the engine's own backstop.
+                    # The interrupt marks the episode stopping before it cancels the call in
+                    # flight, so the worker never takes that failure for a reason to make
+                    # one more model call; it is quick, whatever the episode.
+                    control.interrupt()
                     if episode.stop_is_quick:
                         _stop(episode)
                     else:
@@ -205,7 +207,6 @@ class EpisodeEngine:
                             await trio.to_thread.run_sync(
                                 _stop, episode, limiter=self._cleanup_limiter
                             )
-                    control.interrupt()
                 # Swallowed on purpose: this task only observes. Re-raising it here would
                 # reach the caller wrapped in an exception group; the caller's own
                 # cancellation is still pending for its next checkpoint.

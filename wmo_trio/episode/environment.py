@@ -54,7 +54,9 @@ class Environment(Protocol):
 @runtime_checkable
 class Interruptible(Protocol):
     def interrupt(self) -> None:
-        """Make the call in flight return as soon as it can; later calls fail at once."""
+        """Make the call in flight return as soon as it can; later calls fail at once.
+        Called from any thread, the engine's trio thread included: quick (a signal, a
+        flag), never waiting on I/O."""
 
 
 class CommandResult(NamedTuple):

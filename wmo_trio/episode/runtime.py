@@ -1,9 +1,10 @@
 """Running one episode in this process: `EpisodeRuntime`, and the frame every runtime shares.
 
 A runtime runs one episode of one harness document, in the calling (worker) thread, and
-returns a `RunResult` for every ending. Everything that can stop it from outside
-(`abort()`, `should_cancel`, the wall-clock budget) ends it at its next boundary and
-interrupts the call in flight, so the worker returns promptly.
+returns a `RunResult` for every ending. Everything that can stop it from outside (its
+control's interrupt, which `abort()`, `close()` and a true `should_cancel` send; the
+wall-clock budget) ends it at its next boundary and interrupts the call in flight, so the
+worker returns promptly.
 
 `EpisodeRuntime` runs the episode's program (`wmo_trio.episode.portable`: the built-in
 loop, or a `code:runtime` document's code) in this process; it talks to the host through a
@@ -21,9 +22,9 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import ClassVar, Protocol, Self
+from typing import Any, Protocol, Self
 
 import outcome
 
@@ -60,63 +61,66 @@ class Runtime(Protocol):
     def __exit__(self, *exc_info: object) -> None: ...
 
 
-class RuntimeBase:
+class RuntimeBase(ABC):
     """What every runtime shares: one episode of one document, stoppable from any thread.
 
-    `abort()` stops it at its next boundary and interrupts the call in flight; `close()`
-    is idempotent; the wall-clock budget interrupts like an abort but ends the episode
-    with `budget`. Every wait goes through `control` (see `wmo_trio.control`). Subclasses
-    implement `run` inside `self._episode(environment)`; one whose program runs elsewhere
-    (a sandbox) implements `kill_program` and `wake`, and sets `closing_stops`.
+    Its control's interrupt (`wmo_trio.control.CallControl`) is the one signal that the
+    episode stops: `abort()` and `close()` send it, and so does the engine when the
+    episode's caller is cancelled; the episode then ends as cancelled at its next boundary,
+    and the call in flight is cancelled at once. The wall-clock budget ends the calls the
+    same way (`CallControl.expire`) and the episode with `budget`.
+
+    `episode_settings`: the episode's limits (`EpisodeSettings`, taken as they are, or a
+    mapping checked by their rules). Subclasses implement `run` inside
+    `self._episode(environment)`; one whose program runs elsewhere (a sandbox) implements
+    `kill_program` and `wake`.
     """
 
     def __init__(
         self,
         doc: HarnessDoc,
         provider: Provider,
+        episode_settings: EpisodeSettings | Mapping[str, Any] | None = None,
         *,
         control: CallControl | None = None,
-        episode_timeout_sec: float = DEFAULT_EPISODE_TIMEOUT_SEC,
         should_cancel: Callable[[], bool] | None = None,
-        context_window: int | None = None,
         on_progress: Callable[[EpisodeLog], None] | None = None,
     ) -> None:
         self.doc = doc
         self.provider = provider
         self.control = control if control is not None else CallControl()
-        settings: EpisodeSettings = EpisodeSettings.parse(
-            {"episode_timeout_sec": episode_timeout_sec, "context_window": context_window})
+        settings = (episode_settings if isinstance(episode_settings, EpisodeSettings)
+                    else EpisodeSettings.parse(episode_settings or {}))
         self.episode_timeout_sec = settings.episode_timeout_sec
         self.context_window = settings.context_window
         self.log = EpisodeLog(on_progress)
-        self._should_cancel = should_cancel or (lambda: False)
-        self._aborted = False
+        self._should_cancel = should_cancel
         self._closed = False
         self._started = False
         self._environment: Environment | None = None
         self._lock = threading.Lock()
 
-    # Whether `close()` during a run ends the episode as cancelled at its next boundary
-    # (a runtime whose program runs elsewhere: closing it kills the program).
-    closing_stops: ClassVar[bool] = False
+    @abstractmethod
+    def run(self, task_id: str, instruction: str, environment: Environment) -> RunResult:
+        """Run the episode to its end, in this (worker) thread: a `RunResult` for every
+        ending. Once per runtime."""
 
     # -- control from other threads -------------------------------------------------------
 
     def abort(self) -> None:
-        """Stop at the next boundary and make the call in flight return as soon as it can."""
-        self._aborted = True
-        self._interrupt()
+        """Stop at the next boundary: interrupt the control (the call in flight returns as
+        soon as it can) and kill the program where it runs elsewhere."""
+        self.control.interrupt()
         self.kill_program()
 
     def close(self) -> None:
-        """Stop whatever is left of the episode (its program, the call in flight) and free
-        what the runtime holds. Idempotent."""
+        """Stop whatever is left of the episode (as `abort`) and free what the runtime
+        holds. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self.control.interrupt()
-        self.kill_program()
+        self.abort()
 
     def __enter__(self) -> Self:
         return self
@@ -136,17 +140,22 @@ class RuntimeBase:
 
     # -- stopping -------------------------------------------------------------------------
 
-    def _interrupt(self) -> None:
-        self.control.interrupt()
+    def _calls_ended(self) -> None:
+        # Registered with the control for the episode: an interrupt or the deadline also
+        # stops the environment's command in flight and wakes the serving thread.
         environment = self._environment
-        if isinstance(environment, Interruptible):
-            environment.interrupt()
-        self.wake()
+        try:
+            if isinstance(environment, Interruptible):
+                environment.interrupt()
+        finally:
+            self.wake()
 
     def stopping(self) -> bool:
-        """Whether the episode ends at its next boundary: aborted, cancelled, or closed
-        (where `closing_stops`)."""
-        return self._aborted or self._should_cancel() or (self.closing_stops and self._closed)
+        """Whether the episode ends at its next boundary as cancelled: its control was
+        interrupted. A caller's `should_cancel`, polled here, interrupts it when true."""
+        if not self.control.interrupted and self._should_cancel is not None and self._should_cancel():
+            self.control.interrupt()
+        return self.control.interrupted
 
     # -- the episode's frame ---------------------------------------------------------------
 
@@ -158,12 +167,16 @@ class RuntimeBase:
                 raise RuntimeError(f"a {type(self).__name__} runs a single episode; build another")
             self._started = True
             self._environment = environment
+        # None: the calls have ended already (an abort before the run); the first boundary
+        # ends the episode.
+        hook = self.control.on_interrupt(self._calls_ended)
         self.control.deadline = time.monotonic() + self.episode_timeout_sec
-        watch = DEADLINES.schedule(self.control.deadline, self._interrupt)
+        watch = DEADLINES.schedule(self.control.deadline, self.control.expire)
         try:
             yield
         finally:
             DEADLINES.cancel(watch)
+            self.control.forget(hook)
 
     def _services(self, environment: Environment) -> EpisodeServices:
         return EpisodeServices(
@@ -207,25 +220,27 @@ class EpisodeRuntime(RuntimeBase):
 
 class RuntimeEpisode(ABC):
     """One episode as the engine drives it (`wmo_trio.engine.Episode`), over a runtime that
-    `start` builds in the worker thread. What the harbor agent's episode and the research
-    API's share: `stop()` makes `should_cancel` true and aborts the runtime (the engine
-    then interrupts the call in flight), `close()` closes it; `record` is each caller's.
+    `start` builds in the worker thread with the engine's control. What the harbor agent's
+    episode and the research API's share: the engine's interrupt of that control stops it
+    (before the runtime exists too: its first boundary ends it), `stop()` aborts the
+    runtime for what the interrupt does not do (kill a program that runs elsewhere),
+    `close()` closes it; `record` is each caller's.
     """
 
     # Aborting an EpisodeRuntime only sets flags and wakes threads; a subclass whose
-    # runtime aborts over the network says otherwise.
+    # runtime aborts over the network says otherwise (its backend's `abort_is_quick`).
     stop_is_quick: bool = True
 
     def __init__(self, task_id: str, instruction: str) -> None:
         self.task_id = task_id
         self.instruction = instruction
-        self._cancel = threading.Event()
         self._lock = threading.Lock()
         self._runtime: Runtime | None = None
 
     @abstractmethod
-    def start(self, control: CallControl, should_cancel: Callable[[], bool]) -> tuple[Runtime, Environment]:
-        """The episode's runtime and environment, built in the worker thread."""
+    def start(self, control: CallControl) -> tuple[Runtime, Environment]:
+        """The episode's runtime, built with `control`, and its environment, in the worker
+        thread."""
 
     @abstractmethod
     def record(self, result: outcome.Outcome[RunResult], cancelled: bool) -> None:
@@ -238,13 +253,12 @@ class RuntimeEpisode(ABC):
             return self._runtime.log if self._runtime is not None else None
 
     def run(self, control: CallControl) -> RunResult:
-        runtime, environment = self.start(control, self._cancel.is_set)
+        runtime, environment = self.start(control)
         with self._lock:
             self._runtime = runtime
         return runtime.run(self.task_id, self.instruction, environment)
 
     def stop(self) -> None:
-        self._cancel.set()
         with self._lock:
             runtime = self._runtime
         if runtime is not None:

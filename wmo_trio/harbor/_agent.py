@@ -32,7 +32,7 @@ from wmo_trio.agent_arguments import (
     parse_arguments,
     provider_for,
 )
-from wmo_trio.backends import build_runtime
+from wmo_trio.backends import build_runtime, unisolated_code_warning
 from wmo_trio.control import CallControl
 from wmo_trio.engine import host_for_running_loop, settle_heap
 from wmo_trio.episode.environment import Environment
@@ -106,13 +106,9 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         # Before the burst of agents a harbor job constructs: each construction otherwise
         # ran the collector's full passes over every agent made so far.
         settle_heap()
-        if arguments.harness.runtime_code is not None and arguments.harness_backend == "local":
-            self.logger.warning(
-                "harness %s: code:runtime runs in this process with the host's rights "
-                "(trusted code only); use harness_backend='sandbox' (Linux with bubblewrap) "
-                "or 'e2b' for mutated candidates",
-                arguments.harness.name,
-            )
+        warning = unisolated_code_warning(arguments.harness, arguments.backend)
+        if warning is not None:
+            self.logger.warning("harness %s: %s", arguments.harness.name, warning)
 
     @classmethod
     def parse_options(cls, kwargs: dict[str, Any] | None = None,
@@ -218,9 +214,9 @@ class HarborEpisode(RuntimeEpisode):
     """One trial's episode, as the engine drives it (see `wmo_trio.engine.Episode`). It owns
     `provider`, which it closes in its cleanup.
 
-    When harbor cancels the agent: `stop()` makes `should_cancel` true and aborts the
-    runtime (the engine then cancels the environment command in flight); the engine waits
-    for the worker, then `close()` and `record()` run shielded, then the cancellation
+    When harbor cancels the agent: the engine interrupts the episode's control (which
+    cancels the environment command in flight) and `stop()` aborts the runtime; the engine
+    waits for the worker, then `close()` and `record()` run shielded, then the cancellation
     propagates. The partial trace says whether harbor's agent timeout or something else
     (an interrupted `harbor run`) cancelled it.
     """
@@ -241,23 +237,15 @@ class HarborEpisode(RuntimeEpisode):
         self._logs_dir = logs_dir
         self._session_id = session_id
         self._timed_out = timed_out
-        # Aborting a local runtime only sets flags, a sandboxed one sends a signal; aborting
-        # an E2B one kills its sandbox over the network, so the engine gives that stop a
-        # thread of its own.
-        self.stop_is_quick = arguments.harness_backend != "e2b"
+        self.stop_is_quick = arguments.backend.abort_is_quick
         self._cancel_reason: str | None = None
 
-    def start(self, control: CallControl,
-              should_cancel: Callable[[], bool]) -> tuple[Runtime, Environment]:
+    def start(self, control: CallControl) -> tuple[Runtime, Environment]:
         arguments = self._arguments
-        # A task environment is mutable: an e2b transport failure is never replayed
-        # against one an earlier attempt may have changed.
         runtime = build_runtime(
-            arguments.harness, self._provider, control=control, backend=arguments.harness_backend,
-            e2b_template=arguments.e2b_template,
-            episode_timeout_sec=arguments.episode_timeout_sec,
-            should_cancel=should_cancel, context_window=arguments.context_window,
-            on_progress=self._report_usage, transport_retries=0,
+            arguments.harness, self._provider, arguments, backend=arguments.backend.name,
+            backend_settings=arguments.backend_settings, control=control,
+            on_progress=self._report_usage,
         )
         return runtime, HarborEnvironmentAdapter(self._environment, control,
                                                  command_timeout_sec=arguments.command_timeout_sec)

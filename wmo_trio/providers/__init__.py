@@ -5,7 +5,7 @@ configuration (a bad setting or a missing API key fails here, before any episode
 wraps the provider in wmo_trio's retry policy. Building one is cheap: an SDK is imported,
 and its client created, in a worker thread on the first call, never on harbor's loop or on
 the trio thread. The one I/O is the `openai` kind's check that its server answers, done by
-the first build of a process for a server (see `wmo_trio.providers.openai.check_server`).
+the first build of a process for a server (see `wmo_trio.providers.openai_check`).
 """
 
 from __future__ import annotations

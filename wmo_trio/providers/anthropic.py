@@ -22,13 +22,13 @@ building a provider does neither.
 
 Retries belong to wmo_trio's retry policy (`retry.py`), so the SDK's own are off. Errors
 become `ProviderError`s that say whether a retry may help and how long the server asked
-us to wait. A reply's body that is not a message (not JSON, cut short, nested too deeply)
-is a retryable failure.
+us to wait. A reply's body that cannot be read is judged as for every kind
+(`wmo_trio.providers.http.reply_json`); one that is JSON but not a message is a retryable
+failure.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Self
@@ -40,14 +40,20 @@ from wmo_trio.providers.base import (
     FinishReason,
     Message,
     ProviderConfig,
-    ProviderConfigError,
     ProviderError,
     ProviderRequest,
     ProviderResponse,
     ToolCall,
+    api_key_from_environment,
     parse_tool_call,
 )
-from wmo_trio.providers.http import HTTPProvider, HTTPReply, HTTPSettings, reply_json, token_count
+from wmo_trio.providers.http import (
+    HTTPProvider,
+    HTTPReply,
+    HTTPSettings,
+    reply_json,
+    token_count,
+)
 from wmo_trio.settings import NonEmptyText
 
 if TYPE_CHECKING:
@@ -126,14 +132,7 @@ class AnthropicProvider(HTTPProvider[AnthropicSettings]):
     def from_config(cls, config: ProviderConfig) -> Self:
         """Check the settings and that the API key is there; no SDK import, no client."""
         settings: AnthropicSettings = AnthropicSettings.of(config)
-        api_key = os.environ.get(settings.api_key_env, "").strip()
-        if not api_key:
-            raise ProviderConfigError(
-                f"anthropic provider: no API key; set the environment variable "
-                f"{settings.api_key_env} (or point the api_key_env setting at the variable "
-                "that holds it)"
-            )
-        return cls(config, settings, api_key)
+        return cls(config, settings, api_key_from_environment("anthropic", settings.api_key_env))
 
     # -- the exchange and the client ------------------------------------------------------
 
@@ -236,7 +235,7 @@ class AnthropicProvider(HTTPProvider[AnthropicSettings]):
     def response(self, reply: HTTPReply) -> ProviderResponse:
         """The `ProviderResponse` for what `send` returned. A body that is not the API's
         message object is a retryable failure (a proxy's error page, a truncated reply)."""
-        message = reply_json(reply.body, "anthropic call")
+        message = reply_json(reply, "anthropic call")
         if not isinstance(message, dict) or message.get("type") != "message":
             raise ProviderError(f"anthropic call: the reply is not a message: {reply.body[:200]!r}",
                                 retryable=True)

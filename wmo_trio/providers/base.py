@@ -10,6 +10,7 @@ raises `ProviderInterrupted`, never leaving the worker blocked on a wait nobody 
 from __future__ import annotations
 
 import json
+import os
 from enum import StrEnum
 from typing import Any, Literal, Protocol, Self, runtime_checkable
 
@@ -168,6 +169,19 @@ class ProviderConfig(BaseModel):
 
 class ProviderConfigError(ValueError):
     """A provider configuration cannot work (unknown kind, missing key, bad setting)."""
+
+
+def api_key_from_environment(kind: str, variable: str, *, instead: str = "") -> str:
+    """The API key of a provider of `kind`, every kind's way: the environment variable
+    `variable`, without surrounding whitespace (a key pasted with its line break); a
+    `ProviderConfigError` naming the variable when it is unset or blank, before any
+    request. `instead` adds what else a user of `kind` may do."""
+    key = os.environ.get(variable, "").strip()
+    if not key:
+        raise ProviderConfigError(
+            f"{kind} provider: no API key; set the environment variable {variable} (or "
+            f"point the api_key_env setting at the variable that holds it{instead})")
+    return key
 
 
 class RetrySettings(Settings):

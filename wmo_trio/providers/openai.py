@@ -17,9 +17,9 @@ provider's wording), which the episode answers with an observation the model can
 from; a missing id is made up; `finish_reason` `length` is the output limit, an unknown or
 missing one is read from whether there are tool calls; a missing `usage` counts the call
 with zero tokens; a lone surrogate (half of an escaped pair) becomes U+FFFD. A reply
-without choices, or whose body is not JSON though it says it is (cut short, nested too
-deeply), is a retryable failure; a body that is not a chat completion at all (a web page:
-base_url names something else) is not.
+without choices is a retryable failure, unless its error says otherwise; a body that cannot
+be read is judged as for every kind (`wmo_trio.providers.http.reply_json`), and JSON that is
+not an object is no chat completion (base_url names another API).
 
 Model I/O is `HTTPProvider`'s (`http.py`), as for the Anthropic provider: the worker thread
 builds the body, and parses and maps the reply's body; the HTTP exchange alone runs on the
@@ -29,24 +29,17 @@ when the run ends. An interrupt cancels the call at once. The SDK's retries are 
 wmo_trio's retry policy (`retry.py`) decides.
 
 Before anything runs, `from_config` checks that the server is there and serves the model
-(`GET <base_url>/models`; see `check_server`), once per process and configuration, so
-harbor's preflight and `wmo-trio run`, which build the provider before any trial and off
-any event loop, pay for it and every trial's provider finds it done.
+(`GET <base_url>/models`; see `wmo_trio.providers.openai_check`), once per process and
+configuration, so harbor's preflight and `wmo-trio run`, which build the provider before any
+trial and off any event loop, pay for it and every trial's provider finds it done.
 """
 
 from __future__ import annotations
 
-import difflib
-import functools
-import http.client
 import json
-import logging
 import os
 import re
-import threading
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, Self
 
@@ -62,9 +55,17 @@ from wmo_trio.providers.base import (
     ProviderRequest,
     ProviderResponse,
     ToolCall,
+    api_key_from_environment,
     parse_tool_call,
 )
-from wmo_trio.providers.http import HTTPProvider, HTTPReply, HTTPSettings, reply_json, token_count
+from wmo_trio.providers.http import (
+    HTTPProvider,
+    HTTPReply,
+    HTTPSettings,
+    reply_json,
+    token_count,
+)
+from wmo_trio.providers.openai_check import check_server
 from wmo_trio.providers.retry import is_retryable_status
 from wmo_trio.settings import NonEmptyText
 
@@ -72,12 +73,8 @@ if TYPE_CHECKING:
     import httpx2
     import openai
 
-log = logging.getLogger("wmo_trio.providers.openai")
-
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
-# How long the check that the server is there may take: it runs before anything else, once.
-CHECK_TIMEOUT_S = 10.0
 
 # Fields the provider sets from the request, or that would change the reply's shape.
 _OWNED_FIELDS = frozenset({"model", "messages", "tools", "max_tokens", "max_completion_tokens",
@@ -154,14 +151,9 @@ class OpenAIProvider(HTTPProvider[OpenAISettings]):
         _check_extra_body(settings.extra_body or {})
         api_key: str | None = None
         if settings.api_key_env is not None:
-            api_key = os.environ.get(settings.api_key_env, "").strip()
-            if not api_key:
-                raise ProviderConfigError(
-                    f"openai provider: no API key; set the environment variable "
-                    f"{settings.api_key_env} (or point the api_key_env setting at the variable "
-                    'that holds it; for a server that takes no key, such as a local vLLM, set '
-                    '"api_key_env": null)'
-                )
+            api_key = api_key_from_environment(
+                "openai", settings.api_key_env,
+                instead='; for a server that takes no key, such as a local vLLM, set "api_key_env": null')
         base_url = _checked_base_url(settings.base_url, api_key)
         if settings.check_server:
             check_server(base_url, api_key, settings.headers or {}, model=config.model,
@@ -224,12 +216,7 @@ class OpenAIProvider(HTTPProvider[OpenAISettings]):
     def response(self, reply: HTTPReply) -> ProviderResponse:
         """The `ProviderResponse` for what `send` returned; a `ProviderError` when the
         server's reply holds no answer."""
-        try:
-            completion = reply_json(reply.body, "openai-compatible server")
-        except ProviderError:
-            if reply.says_json:  # cut short, or nested too deeply: another try may do
-                raise
-            completion = None  # a page of another kind, as the SDK reads one
+        completion = reply_json(reply, f"openai-compatible server at {self._base_url}")
         if not isinstance(completion, dict):
             raise ProviderError(
                 f"openai-compatible server at {self._base_url}: the reply is not a chat "
@@ -409,158 +396,3 @@ def _checked_base_url(configured: str | None, api_key: str | None) -> str:
             f"openai provider: {source} must be an http(s) URL such as http://localhost:8000/v1, "
             f"got {url!r}")
     return url.rstrip("/")
-
-
-# What each checked server lists, by server, key and headers: its models' names, or None
-# where it gave no list that could be read.
-_checked_servers: dict[tuple[object, ...], frozenset[str] | None] = {}
-_checked_lock = threading.Lock()
-# A model list longer than this is not read (a gateway's list of every model it routes to
-# is far shorter), and this many of its names are shown when the model is not among them.
-_MODEL_LIST_MAX_BYTES = 16 * 1024 * 1024
-_MODELS_SHOWN = 5
-
-
-def check_server(base_url: str, api_key: str | None, headers: Mapping[str, str], *,
-                 model: str | None = None, key_env: str | None = None) -> None:
-    """Ask `GET <base_url>/models` whether an OpenAI-compatible API answers there and
-    serves `model`, and raise a `ProviderConfigError` that says what to do when it does not:
-    it cannot be reached, it refuses the key (401), nothing is served at that path (404),
-    or its list of models is readable and `model` is not in it (see `_serves`). Any other
-    answer is a server that is there, and a list that cannot be read says nothing about
-    the model: servers differ, and the calls will tell.
-
-    A redirect is followed only to the same origin (scheme, host and port), or from http
-    to https on the same host, as httpx does for the model calls: urllib would otherwise
-    send the key, and the headers, to whatever host the redirect names. One elsewhere is
-    not followed (and logged): the check then has no list to read.
-
-    Blocking, for at most `CHECK_TIMEOUT_S` (`urllib`: no SDK import). The server is asked
-    once per process for a server, key and headers: harbor's CLI preflight and `wmo-trio
-    run` do it before any event loop runs; when a harbor `Job` is created from an asyncio
-    program instead, its preflight does it on that loop, before any trial.
-    """
-    key = (base_url, api_key, tuple(sorted(headers.items())))
-    with _checked_lock:
-        asked = key in _checked_servers
-        models = _checked_servers.get(key)
-    if not asked:
-        models = _listed_models(base_url, api_key, headers, key_env)
-        with _checked_lock:
-            _checked_servers[key] = models
-    if model is not None and models is not None and not _serves(models, model):
-        raise ProviderConfigError(
-            f"openai provider: the server at {base_url} does not serve model {model!r}; it "
-            f"lists {_some_of(models, model)} (GET {base_url}/models): name one of those, "
-            'with -m openai/<model> (or set "check_server": false to skip this check)')
-
-
-def _listed_models(base_url: str, api_key: str | None, headers: Mapping[str, str],
-                   key_env: str | None) -> frozenset[str] | None:
-    """The names of the models the server lists, or None; a `ProviderConfigError` when it
-    is not there."""
-    url = f"{base_url}/models"
-    sent = {"Accept": "application/json", **headers}
-    if api_key is not None:
-        sent["Authorization"] = f"Bearer {api_key}"
-    try:
-        answer = _check_opener().open(urllib.request.Request(url, headers=sent), timeout=CHECK_TIMEOUT_S)
-    except urllib.error.HTTPError as error:
-        error.close()
-        _refused(error.code, url, base_url, key_env)
-        return None
-    except (OSError, http.client.HTTPException) as error:
-        reason = error.reason if isinstance(error, urllib.error.URLError) else error
-        raise ProviderConfigError(
-            f"openai provider: cannot reach base_url {base_url} (GET {url}: "
-            f"{type(reason).__name__}: {reason}); start the server or correct base_url "
-            '(or set "check_server": false to skip this check)') from None
-    with answer:
-        try:
-            body = answer.read(_MODEL_LIST_MAX_BYTES + 1)
-        except (OSError, http.client.HTTPException):
-            return None  # it answered: it is there, but its list cannot be read
-    return _model_names(body) if len(body) <= _MODEL_LIST_MAX_BYTES else None
-
-
-def _model_names(body: bytes) -> frozenset[str] | None:
-    """The `id`s of an OpenAI model list (`{"data": [{"id": ...}, ...]}`); None for a body
-    of another shape, or a list without any."""
-    try:
-        listing = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    entries = listing.get("data") if isinstance(listing, dict) else None
-    if not isinstance(entries, list):
-        return None
-    names = frozenset(entry["id"] for entry in entries
-                      if isinstance(entry, dict) and isinstance(entry.get("id"), str))
-    return names or None
-
-
-def _serves(models: frozenset[str], model: str) -> bool:
-    """Whether `model` is one of `models`, as servers name them: Ollama takes `name` for
-    the `name:latest` it lists, and OpenRouter takes a variant (`name:nitro`) of a listed
-    `name`, so those count as listed too."""
-    return model in models or f"{model}:latest" in models or model.split(":", 1)[0] in models
-
-
-def _some_of(models: frozenset[str], model: str) -> str:
-    """A few of `models`, those closest to `model` first."""
-    shown = difflib.get_close_matches(model, models, n=_MODELS_SHOWN, cutoff=0.5)
-    shown += [name for name in sorted(models) if name not in shown][:_MODELS_SHOWN - len(shown)]
-    more = len(models) - len(shown)
-    return ", ".join(map(repr, shown)) + (f" and {more} more" if more else "")
-
-
-@functools.cache
-def _check_opener() -> urllib.request.OpenerDirector:
-    """The opener of the server checks, built once: urllib's HTTPS handler loads the
-    system's certificate roots as it is built, for an http:// server too, at more cost than
-    the check itself. Its handlers keep no state of a request, so checks may share it."""
-    return urllib.request.build_opener(_RedirectsWithinOrigin)
-
-
-class _RedirectsWithinOrigin(urllib.request.HTTPRedirectHandler):
-    """Follows a redirect only where the key may go (see `check_server`)."""
-
-    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
-                         headers: Any, newurl: str) -> urllib.request.Request | None:
-        if not _may_carry_the_key(req.full_url, newurl):
-            log.warning("openai provider: GET %s redirects to %s, another host; not followed, "
-                        "so the key stays with base_url: if the API is there, point base_url "
-                        "at it", req.full_url, newurl)
-            return None  # the redirect itself is the answer: a server is there
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
-def _may_carry_the_key(url: str, location: str) -> bool:
-    here, there = urllib.parse.urlsplit(url), urllib.parse.urlsplit(location)
-    if (here.scheme, here.hostname, _port(here)) == (there.scheme, there.hostname, _port(there)):
-        return True
-    return (here.hostname == there.hostname and (here.scheme, _port(here)) == ("http", 80)
-            and (there.scheme, _port(there)) == ("https", 443))
-
-
-def _port(parts: urllib.parse.SplitResult) -> int | None:
-    try:
-        return parts.port or {"http": 80, "https": 443}.get(parts.scheme)
-    except ValueError:  # a port that is not a number
-        return None
-
-
-def _refused(status: int, url: str, base_url: str, key_env: str | None) -> None:
-    skip = '(or set "check_server": false to skip this check)'
-    if status == 401 and key_env is None:
-        raise ProviderConfigError(
-            f"openai provider: the server at {base_url} wants an API key (GET {url} answered "
-            "401); put the key in an environment variable and name it in api_key_env")
-    if status == 401:
-        raise ProviderConfigError(
-            f"openai provider: the server at {base_url} refused the API key in {key_env} "
-            f"(GET {url} answered 401); set the right key {skip}")
-    if status == 404:
-        raise ProviderConfigError(
-            f"openai provider: no OpenAI-compatible API at base_url {base_url} (GET {url} "
-            "answered 404); the API usually lives under /v1, as in http://localhost:8000/v1 "
-            f"{skip}")
