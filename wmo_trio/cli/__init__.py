@@ -44,6 +44,7 @@ errors = Console(stderr=True)
 
 BAD_INPUT = 2
 INFRASTRUCTURE_FAILURE = 1
+INTERRUPTED = 130  # as harbor's command exits on Ctrl-C
 
 
 def _print_version(wanted: bool) -> None:
@@ -113,6 +114,14 @@ def run(
         "--backend", help="Where the episode's program runs: local, e2b or sandbox. Default: "
         "sandbox for a code:runtime document where this machine can run it, else local.")]
     = None,
+    workers: Annotated[str | None, typer.Option(
+        "--workers", help="Run the trials on N worker processes of this machine (auto: one per "
+        "core), on a Ray started and stopped by this command; needs pip install "
+        "'wmo_trio[ray]'.")] = None,
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", help="Run the trials on the running Ray cluster at ADDRESS (auto: "
+        "RAY_ADDRESS, or the cluster ray start began here), one worker per node unless "
+        "--workers says how many.")] = None,
 ) -> None:
     """Run a harbor job with the wmo_trio agent, trio owning the loop (trio-asyncio)."""
     from rich.live import Live
@@ -120,8 +129,10 @@ def run(
 
     from wmo_trio.cli._run import (
         BadInput,
+        Interrupted,
         RunOptions,
         build_job_config,
+        cluster_options,
         examples_dir,
         run_with_progress,
         scan_job,
@@ -149,6 +160,7 @@ def run(
     with Live(Spinner("dots", "loading harbor, checking the options and the harness "
                       "document …"), console=console, transient=True):
         try:
+            cluster = cluster_options(workers, ray_address)
             config = build_job_config(options)
         except BadInput as error:
             refused = error
@@ -156,8 +168,14 @@ def run(
         raise fail(str(refused))
     import trio
 
+    from wmo_trio.cluster import ClusterError
+
     try:
-        job_dir = trio.run(run_with_progress, config, console)
+        job_dir = trio.run(run_with_progress, config, console, cluster)
+    except Interrupted as stopped:
+        raise fail(str(stopped), INTERRUPTED) from None
+    except ClusterError as error:  # before any trial: no cluster there, a worker cannot load
+        raise fail(str(error)) from None
     except Exception as error:  # the job itself broke: infrastructure, not the candidate
         raise fail(f"the job failed: {type(error).__name__}: {error}",
                    INFRASTRUCTURE_FAILURE) from error

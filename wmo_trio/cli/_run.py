@@ -251,12 +251,18 @@ _PHASES = {
 @dataclass
 class JobProgress:
     """What `wmo-trio run` shows while its job runs, kept current by harbor's trial hooks
-    (they run on harbor's loop, which is the trio thread: no lock is needed)."""
+    (they run on harbor's loop, which is the trio thread: no lock is needed); with
+    workers, also which worker runs each trial (`placed`)."""
 
     total: int
     stage: str = "creating the job: harbor's checks, the agent's preflight"
     phases: dict[str, str] = field(default_factory=dict)
     finished: dict[str, TrialRow] = field(default_factory=dict)
+    workers: dict[str, str] = field(default_factory=dict)
+
+    async def placed(self, event: Any) -> None:
+        """A trial event from a worker (`wmo_trio.cluster.FleetEvent`): where it runs."""
+        self.workers[str(event.hook.trial_name)] = event.worker.label
 
     def watch(self, job: Any) -> None:
         """Register on a harbor `Job` (before it runs) the hooks that keep this current."""
@@ -301,7 +307,14 @@ class JobProgress:
                                    if phase == "starting its environment" else "")
                  for phase, n in counts.items()]
         queued = self.total - len(self.finished) - len(self.phases)
-        return "now: " + ", ".join(parts) + (f"; {queued} queued" if queued > 0 else "")
+        line = "now: " + ", ".join(parts) + (f"; {queued} queued" if queued > 0 else "")
+        where: dict[str, int] = {}
+        for name in self.phases:
+            if name in self.workers:
+                where[self.workers[name]] = where.get(self.workers[name], 0) + 1
+        if where:
+            line += "; running on " + ", ".join(f"{label}: {n}" for label, n in sorted(where.items()))
+        return line
 
 
 def summary_table(rows: list[TrialRow], title: str = "trials") -> Table:
@@ -338,17 +351,49 @@ def count_trials(config: Any) -> int:
     return tasks * int(config.n_attempts)
 
 
-async def run_with_progress(config: Any, console: Console) -> Path:
+class Interrupted(Exception):
+    """The job was stopped by Ctrl-C (SIGINT) and every trial still running was stopped
+    as harbor stops one; its directory is `job_dir`."""
+
+    def __init__(self, job_dir: Path) -> None:
+        super().__init__(f"interrupted: the job's running trials were stopped and its "
+                         f"workers ended; job directory {job_dir.resolve()}")
+        self.job_dir = job_dir
+
+
+def cluster_options(workers: str | None, ray_address: str | None) -> Any:
+    """`--workers`/`--ray-address` checked, Ray's presence included (`BadInput`); None
+    when the job runs in this process."""
+    from wmo_trio.cluster import ClusterError, ClusterOptions, import_ray
+
+    try:
+        options = ClusterOptions.of(workers, ray_address)
+        if options is not None:
+            import_ray()
+    except ClusterError as error:
+        raise BadInput(str(error)) from None
+    return options
+
+
+async def run_with_progress(config: Any, console: Console, cluster: Any = None) -> Path:
     """Run the job on the trio host, showing live progress; returns the job directory.
 
     The display is transient: when the job ends it is cleared, and the caller prints the
-    summary once. harbor's own bar is kept off the terminal meanwhile."""
+    summary once. harbor's own bar is kept off the terminal meanwhile.
+
+    With `cluster` (`wmo_trio.cluster.ClusterOptions`) the trials run on its workers, and
+    a SIGINT stops the job in order (each running trial stopped on its worker as harbor
+    stops one, its directory written here, the workers and an embedded Ray ended) and then
+    raises `Interrupted`."""
+    import signal
+
     import trio
 
     from wmo_trio.harbor._job import harbor_progress_hidden, run_job
 
     job_dir = Path(config.jobs_dir) / str(config.job_name)
     progress = JobProgress(count_trials(config))
+    interrupted = False
     with harbor_progress_hidden(), Live(progress.render(), console=console,
                                         refresh_per_second=4, transient=True) as live:
         async with trio.open_nursery() as nursery:
@@ -357,7 +402,23 @@ async def run_with_progress(config: Any, console: Console) -> Path:
                     live.update(progress.render())
                     await trio.sleep(0.25)
 
+            async def stop_on_sigint(signals: Any, job: trio.CancelScope) -> None:
+                nonlocal interrupted
+                async for _ in signals:
+                    interrupted = True
+                    progress.stage = "stopping: Ctrl-C; each running trial ends as harbor ends one"
+                    progress.phases.clear()
+                    job.cancel()
+
             nursery.start_soon(show)
-            await run_job(config, on_create=progress.watch)
+            if cluster is None:
+                await run_job(config, on_create=progress.watch)
+            else:
+                with trio.open_signal_receiver(signal.SIGINT) as signals, trio.CancelScope() as job:
+                    nursery.start_soon(stop_on_sigint, signals, job)
+                    await run_job(config, on_create=progress.watch, workers=cluster.workers,
+                                  ray_address=cluster.ray_address, on_event=progress.placed)
             nursery.cancel_scope.cancel()
+    if interrupted:
+        raise Interrupted(job_dir)
     return job_dir

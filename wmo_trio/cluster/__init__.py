@@ -9,11 +9,15 @@ machine or of a Ray cluster (`pip install 'wmo_trio[ray]'`).
   `FleetEvent`: a trial event and the worker it happened on.
 - `pack` / `unpack` / `PackedTree`: a directory as bounded data, and back.
 
-Importing this package does not import Ray; opening a cluster does.
+Importing this package imports neither Ray nor harbor: the options and their errors are
+here at once, the rest on first use.
 """
 
-from wmo_trio.cluster._fleet import FleetCallback, FleetEvent, TrialFleet, open_trial_fleet
-from wmo_trio.cluster._ray_wait import ray_value
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from wmo_trio._lazy import lazy_exports
 from wmo_trio.cluster._session import (
     RAY_INSTALL,
     Cluster,
@@ -23,8 +27,25 @@ from wmo_trio.cluster._session import (
     open_cluster,
     parse_workers,
 )
-from wmo_trio.cluster._tree import PackedTree, pack, remove_tree, unpack
-from wmo_trio.cluster._trial_worker import WorkerInfo
+
+if TYPE_CHECKING:
+    from wmo_trio.cluster._fleet import FleetCallback, FleetEvent, TrialFleet, open_trial_fleet
+    from wmo_trio.cluster._ray_wait import ray_value
+    from wmo_trio.cluster._tree import PackedTree, pack, remove_tree, unpack
+    from wmo_trio.cluster._trial_worker import WorkerInfo
+
+_LAZY = {
+    "FleetCallback": "wmo_trio.cluster._fleet",
+    "FleetEvent": "wmo_trio.cluster._fleet",
+    "TrialFleet": "wmo_trio.cluster._fleet",
+    "open_trial_fleet": "wmo_trio.cluster._fleet",
+    "ray_value": "wmo_trio.cluster._ray_wait",
+    "PackedTree": "wmo_trio.cluster._tree",
+    "pack": "wmo_trio.cluster._tree",
+    "remove_tree": "wmo_trio.cluster._tree",
+    "unpack": "wmo_trio.cluster._tree",
+    "WorkerInfo": "wmo_trio.cluster._trial_worker",
+}
 
 __all__ = [
     "RAY_INSTALL",
@@ -45,3 +66,5 @@ __all__ = [
     "remove_tree",
     "unpack",
 ]
+
+__getattr__ = lazy_exports(__name__, _LAZY)

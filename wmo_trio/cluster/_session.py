@@ -25,8 +25,6 @@ from typing import Any, Literal
 
 import trio
 
-from wmo_trio.cluster._tree import remove_tree
-
 RAY_INSTALL = "pip install 'wmo_trio[ray]'"
 CONNECT_TIMEOUT_S = 10.0
 # Embedded clusters keep their sessions here, never in Ray's shared /tmp/ray: what one
@@ -132,6 +130,8 @@ async def open_cluster(options: ClusterOptions) -> AsyncIterator[Cluster]:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(owner.stop)
             if scratch is not None:
+                from wmo_trio.cluster._tree import remove_tree
+
                 await trio.to_thread.run_sync(remove_tree, scratch)
 
 
