@@ -10,7 +10,6 @@ job machinery, and the agent (`wmo_trio.harbor.WmoTrioHarborAgent`) makes the sa
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Self
 
@@ -19,7 +18,6 @@ from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 
 from wmo_trio.backends import BackendChoice, check_e2b_key, check_sandbox, resolve_backend
 from wmo_trio.engine import DEFAULT_EPISODE_WORKERS
-from wmo_trio.files import read_bounded
 from wmo_trio.harness import HarnessDoc, HarnessError, harness_from
 from wmo_trio.providers import (
     OwnedProvider,
@@ -27,6 +25,7 @@ from wmo_trio.providers import (
     ProviderConfigError,
     build_provider,
     parse_provider_config,
+    portable_provider_config,
 )
 from wmo_trio.settings import (
     DEFAULT_COMMAND_TIMEOUT_SEC,
@@ -40,8 +39,6 @@ from wmo_trio.settings import (
 )
 
 AGENT_NAME = "wmo-harness"
-# A scripted provider's script sent to workers: replies, far less than this.
-_MAX_SCRIPT_BYTES = 64 << 20
 DocHash = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$", description="32 lowercase hex digits")]
 
 
@@ -139,25 +136,15 @@ def check_model_name_matches(model_name: str | None, config: ProviderConfig) -> 
         )
 
 
+
 def portable_arguments(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The agent's keyword arguments as they travel to a worker on another machine (one
-    with no view of this one's files): the document inline as its JSON object, a scripted
-    provider's script file inline as its replies. A `ValueError` for what names a file
-    that cannot travel (a provider's `record` or `replay` file)."""
+    with no view of this one's files): the document inline as its JSON object, the
+    provider configuration as `portable_provider_config` makes it. A `ValueError` for what
+    cannot travel (a provider's `record` or `replay` file)."""
     portable = dict(kwargs)
     if "harness" in portable:
         portable["harness"] = harness_from(portable["harness"]).model_dump(mode="json")
-    provider = portable.get("provider_config")
-    if isinstance(provider, Mapping):
-        provider = dict(provider)
-        for name in ("record", "replay"):
-            if provider.get(name) is not None:
-                raise ValueError(f"provider_config: {name} names a file of this machine, which "
-                                 "workers on other machines do not have; run without workers")
-        if isinstance(provider.get("script"), str):
-            from wmo_trio.providers.script import load_script
-
-            load_script(provider["script"])  # a bad script is refused here, as in one process
-            provider["script"] = json.loads(read_bounded(provider["script"], _MAX_SCRIPT_BYTES))
-        portable["provider_config"] = provider
+    if isinstance(portable.get("provider_config"), Mapping):
+        portable["provider_config"] = portable_provider_config(portable["provider_config"])
     return portable

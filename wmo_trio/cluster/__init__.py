@@ -23,6 +23,7 @@ from wmo_trio.cluster._session import (
     Cluster,
     ClusterError,
     ClusterOptions,
+    WorkerLostError,
     import_ray,
     open_cluster,
     parse_workers,
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from wmo_trio.cluster._fleet import FleetCallback, FleetEvent, TrialFleet, open_trial_fleet
     from wmo_trio.cluster._ray_wait import ray_value
     from wmo_trio.cluster._tree import PackedTree, pack, remove_tree, unpack
-    from wmo_trio.cluster._trial_worker import WorkerInfo
+    from wmo_trio.cluster._workers import WorkerInfo
 
 _LAZY = {
     "FleetCallback": "wmo_trio.cluster._fleet",
@@ -44,7 +45,7 @@ _LAZY = {
     "pack": "wmo_trio.cluster._tree",
     "remove_tree": "wmo_trio.cluster._tree",
     "unpack": "wmo_trio.cluster._tree",
-    "WorkerInfo": "wmo_trio.cluster._trial_worker",
+    "WorkerInfo": "wmo_trio.cluster._workers",
 }
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "PackedTree",
     "TrialFleet",
     "WorkerInfo",
+    "WorkerLostError",
     "import_ray",
     "open_cluster",
     "open_trial_fleet",

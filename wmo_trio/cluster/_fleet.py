@@ -7,7 +7,7 @@ this machine as harbor writes it in one process.
 
 Trials go to whichever worker has a free place (at most `concurrency` in all, shared
 evenly). A worker process that dies is restarted by Ray, which runs its unfinished trials
-again there (`MAX_RESTARTS`, `TRIAL_RETRIES`); a trial whose worker is lost beyond that
+again there (`MAX_RESTARTS`, `CALL_RETRIES`); a trial whose worker is lost beyond that
 ends as an error with a trace. Every trial ends exactly once, with one directory.
 
 A trial's directory comes back as bounded data (`_tree`) and is then made harbor's own
@@ -33,7 +33,13 @@ from typing import Any
 import trio
 
 from wmo_trio.cluster._ray_wait import ray_value
-from wmo_trio.cluster._session import Cluster, ClusterError, ClusterOptions, open_cluster
+from wmo_trio.cluster._session import (
+    Cluster,
+    ClusterError,
+    ClusterOptions,
+    WorkerLostError,
+    open_cluster,
+)
 from wmo_trio.cluster._tree import DEFAULT_TREE_LIMIT_BYTES, PackedTree, pack, remove_tree, unpack
 from wmo_trio.cluster._trial_worker import (
     MAX_EVENT_BYTES,
@@ -42,19 +48,21 @@ from wmo_trio.cluster._trial_worker import (
     TrialReturn,
     TrialWorker,
     WorkerCheck,
+)
+from wmo_trio.cluster._workers import (
+    CALL_RETRIES,
     WorkerInfo,
+    cancelled_call,
+    start_workers,
+    started,
+    stop_workers,
 )
 from wmo_trio.files import read_bounded
 
 log = logging.getLogger("wmo_trio.cluster")
 
-MAX_RESTARTS = 3  # a worker process's restarts by Ray, over the fleet's life
-TRIAL_RETRIES = 1  # a trial runs again once when its worker dies under it
 POLL_S = 0.5  # how often running trials' events are collected for the caller
-START_TIMEOUT_S = 300.0  # workers import harbor: tens of seconds on a loaded machine
-CANCEL_GRACE_S = 120.0  # harbor says a trial's cancellation "may take up to a minute"
 _HARBOR_FILE_BYTES = 16 << 20  # result.json, config.json, lock.json, a trace: far less
-LOST = "WorkerLostError"
 
 
 @dataclass(frozen=True)
@@ -122,7 +130,7 @@ class TrialFleet:
                 returned: TrialReturn | BaseException = await ray_value(ref)
             except trio.Cancelled:
                 with trio.CancelScope(shield=True):
-                    returned = await self._cancelled(handle, ref, config.trial_name)
+                    returned = await cancelled_call(handle, ref, [config.trial_name])
                     await self._settle(state, returned, cancelled=True)
                 raise
             except Exception as error:  # the worker was lost beyond Ray's retries
@@ -132,15 +140,6 @@ class TrialFleet:
         finally:
             del self._in_flight[config.trial_name]
             self._free_send.send_nowait(index)
-
-    async def _cancelled(self, handle: Any, ref: Any, name: str) -> TrialReturn | BaseException:
-        try:
-            handle.cancel.options(max_task_retries=0).remote([name])
-            with trio.fail_after(CANCEL_GRACE_S):
-                value: TrialReturn = await ray_value(ref)
-                return value
-        except Exception as error:
-            return error
 
     async def _request(self, config: Any, retry: Any) -> tuple[TrialRequest, list[Any]]:
         """What the worker is sent: the config with the agent's arguments made portable
@@ -233,19 +232,6 @@ class TrialFleet:
                         async with state.lock:
                             await self._deliver(state, record)
 
-    async def close(self) -> None:
-        """Stop every worker (their running trials cancelled and waited for) and end them."""
-        import ray
-
-        closing = [handle.close.options(max_task_retries=0).remote() for handle in self._handles]
-        with trio.move_on_after(CANCEL_GRACE_S):
-            for ref in closing:
-                with contextlib.suppress(Exception):
-                    await ray_value(ref)
-        for handle in self._handles:
-            with contextlib.suppress(Exception):
-                ray.kill(handle, no_restart=True)
-
 
 @contextlib.asynccontextmanager
 async def open_trial_fleet(options: ClusterOptions, *, concurrency: int, agents: Sequence[Any] = (),
@@ -260,53 +246,18 @@ async def open_trial_fleet(options: ClusterOptions, *, concurrency: int, agents:
     if concurrency < 1:
         raise ClusterError("concurrency must be at least 1")
     async with open_cluster(options) as cluster:
-        import ray
-
         check = WorkerCheck(agents_json=[agent.model_dump_json() for agent in agents],
                             environment_json=None if environment is None else environment.model_dump_json())
         slots = max(1, math.ceil(concurrency / cluster.workers))
-        fleet_id = uuid.uuid4().hex[:12]
-        actor: Any = ray.remote(TrialWorker)
-        handles = [actor.options(num_cpus=1, max_restarts=MAX_RESTARTS, max_task_retries=TRIAL_RETRIES,
-                                 max_concurrency=slots + 8, **placement).remote(fleet_id, index, check)
-                   for index, placement in enumerate(cluster.placements)]
-        fleet: TrialFleet | None = None
+        handles = start_workers(TrialWorker, cluster, slots, uuid.uuid4().hex[:12], check)
         try:
-            infos = await _started(handles, cluster)
-            fleet = TrialFleet(cluster, handles, infos, slots, limit_bytes)
+            fleet = TrialFleet(cluster, handles, await started(handles, cluster), slots, limit_bytes)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(fleet.collect_events)
                 yield fleet
                 nursery.cancel_scope.cancel()
         finally:
-            with trio.CancelScope(shield=True):
-                if fleet is not None:
-                    await fleet.close()
-                else:
-                    for handle in handles:
-                        with contextlib.suppress(Exception):
-                            ray.kill(handle, no_restart=True)
-
-
-async def _started(handles: list[Any], cluster: Cluster) -> list[WorkerInfo]:
-    """Each worker's `WorkerInfo` once it has loaded what trials need; a `ClusterError`
-    naming the first that could not, or that did not start in time."""
-    infos: list[WorkerInfo] = []
-    with trio.move_on_after(START_TIMEOUT_S) as waited:
-        for handle in handles:
-            try:
-                info: WorkerInfo = await ray_value(handle.ready.options(max_task_retries=0).remote())
-            except Exception as error:
-                first = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-                raise ClusterError(f"a Ray worker process could not start (does every node have "
-                                   f"wmo_trio installed, `pip install 'wmo_trio[ray]'`?): {first}") from None
-            if info.problem is not None:
-                raise ClusterError(f"{info.label} cannot load what the trials need: {info.problem}")
-            infos.append(info)
-    if waited.cancelled_caught:
-        raise ClusterError(f"{len(handles) - len(infos)} of {len(handles)} Ray worker(s) did not start "
-                           f"within {START_TIMEOUT_S:g} s on {cluster.address}")
-    return infos
+            await stop_workers(handles)
 
 
 # -- a trial's directory, harbor's own again -------------------------------------------------
@@ -366,9 +317,9 @@ def _error_result(config: Any, returned: TrialReturn | BaseException, template: 
         message = returned.error or "the trial ended without a result"
         trace = returned.error_trace or message
     else:
-        kind = "CancelledError" if cancelled else LOST
+        kind = "CancelledError" if cancelled else WorkerLostError.__name__
         message = (f"the worker process running this trial was lost ({type(returned).__name__}), "
-                   f"after {TRIAL_RETRIES} retry: {str(returned).strip()[:2000]}")
+                   f"after {CALL_RETRIES} retry: {str(returned).strip()[:2000]}")
         trace = "".join(traceback.format_exception(returned))
     now = datetime.now(UTC)
     info = ExceptionInfo(exception_type=kind, exception_message=message,

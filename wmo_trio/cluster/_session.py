@@ -39,6 +39,11 @@ class ClusterError(Exception):
     """The cluster cannot take the work: the message is one line saying why and what to do."""
 
 
+class WorkerLostError(RuntimeError):
+    """The worker process running a piece of work was lost (killed, its node gone) more
+    often than Ray restarts it for that work: the work ended without a result of its own."""
+
+
 def import_ray() -> ModuleType:
     """Ray, or a `ClusterError` saying how to install it."""
     try:

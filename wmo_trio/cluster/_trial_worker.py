@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from wmo_trio.cluster._tree import DEFAULT_TREE_LIMIT_BYTES, PackedTree, pack, remove_tree, unpack
+from wmo_trio.cluster._workers import WorkerInfo, this_worker
 
 # A trial event holds the trial's config and its result so far: kilobytes.
 MAX_EVENT_BYTES = 4 << 20
@@ -42,22 +42,6 @@ class WorkerCheck(BaseModel):
 
     agents_json: list[str] = Field(default_factory=list)
     environment_json: str | None = None
-
-
-class WorkerInfo(BaseModel):
-    """Which worker: its index in the fleet, its machine and its process."""
-
-    model_config = ConfigDict(frozen=True)
-
-    index: int
-    node_id: str
-    host: str
-    pid: int
-    problem: str | None = None  # why it cannot run trials, when it cannot
-
-    @property
-    def label(self) -> str:
-        return f"worker {self.index + 1} ({self.host}, pid {self.pid})"
 
 
 class EventRecord(BaseModel):
@@ -100,13 +84,9 @@ class TrialWorker:
     """A Ray actor: one worker process of a fleet (see the module docstring). Methods are
     coroutines on the actor's asyncio loop; `run_trial` calls run concurrently."""
 
-    def __init__(self, fleet_id: str, index: int, check: WorkerCheck) -> None:
+    def __init__(self, index: int, fleet_id: str, check: WorkerCheck) -> None:
         # litellm (which harbor imports) otherwise fetches a price list at import.
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-        import ray
-
-        self._info = WorkerInfo(index=index, node_id=ray.get_runtime_context().get_node_id(),
-                                host=socket.gethostname(), pid=os.getpid())
         self._root = Path(tempfile.gettempdir()) / f"wmo-trio-fleet-{fleet_id}-{index}"
         remove_tree(self._root)  # what an earlier process of this worker left (Ray restarted it)
         self._root.mkdir(parents=True)
@@ -118,8 +98,9 @@ class TrialWorker:
         try:
             _load(check)
         except Exception as error:
-            self._info = self._info.model_copy(update={
-                "problem": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"})
+            self._info = this_worker(index, error)
+        else:
+            self._info = this_worker(index)
 
     async def ready(self) -> WorkerInfo:
         return self._info
