@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,3 +38,42 @@ def when_written(fifo: Path, then: Callable[[], None]) -> None:
         then()
 
     threading.Thread(target=wait, daemon=True).start()
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (its children, theirs, ...), read from the kernel's
+    children lists of each thread."""
+    found: set[int] = set()
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        for listing in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                children = {int(child) for child in listing.read_text().split()}
+            except OSError:
+                continue
+            for child in children - found:
+                found.add(child)
+                pending.append(child)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of `pids` that are still running (not gone, not zombies)."""
+    running = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            running.add(pid)
+    return running
+
+
+def wait_until_gone(pids: set[int], timeout_s: float) -> set[int]:
+    """Wait (at most `timeout_s`) for `pids` to end; those still running."""
+    deadline = time.monotonic() + timeout_s
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive(pids)

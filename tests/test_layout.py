@@ -203,10 +203,12 @@ def test_the_floor_check_refuses_newer_syntax_and_other_packages() -> None:
 # or runs `wmo-trio`'s command line must not import before a trial runs: each costs from a
 # tenth of a second to seconds of CPU, paid by every such process, and `trio_asyncio`
 # changes asyncio's loop policy for the whole process.
-HEAVY = ("anthropic", "openai", "e2b", "numpy", "scipy", "matplotlib", "litellm", "trio_asyncio")
+HEAVY = ("anthropic", "openai", "e2b", "numpy", "scipy", "matplotlib", "litellm", "trio_asyncio",
+         "ray")
 # wmo_trio's own modules that bring them, or that only some trials use.
 HEAVY_OWN = ("wmo_trio.compare", "wmo_trio.backends.e2b", "wmo_trio.backends.sandbox",
-             "wmo_trio.providers.anthropic", "wmo_trio.providers.openai", "wmo_trio.research")
+             "wmo_trio.providers.anthropic", "wmo_trio.providers.openai", "wmo_trio.research",
+             "wmo_trio.cluster")
 
 _LOAD_PROBE = """
 import importlib, json, sys

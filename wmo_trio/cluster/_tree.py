@@ -34,10 +34,7 @@ from wmo_trio.sandbox._hostfs import (
     replace_link_beneath,
     safe_mode,
 )
-
-# The directory below a target, made as needed, a link on the way replaced: the same rule
-# as a download from a sandbox.
-from wmo_trio.sandbox._transfer import BLOCK, DEFAULT_DOWNLOAD_LIMIT_MB, MAX_RELATIVE_PATH, _open_tree
+from wmo_trio.sandbox._transfer import BLOCK, DEFAULT_DOWNLOAD_LIMIT_MB, MAX_RELATIVE_PATH
 
 DEFAULT_TREE_LIMIT_BYTES = DEFAULT_DOWNLOAD_LIMIT_MB << 20
 # A million empty files would fill the target's inodes long before its bytes.
@@ -189,11 +186,10 @@ def unpack(tree: PackedTree, target: Path, *, limit: int = DEFAULT_TREE_LIMIT_BY
                            f"bound of {limit:,}")
     skipped: list[str] = []
     target.mkdir(parents=True, exist_ok=True)
-    top = os.open(target, _DIR_FLAGS | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
+    with _Directories(target) as directories:
         for entry in tree.entries:
             parent_path, _, name = entry.path.rpartition("/")
-            parent = _open_tree(top, parent_path)
+            parent = directories.open(parent_path)
             try:
                 if entry.kind == "dir":
                     os.close(make_dir_beneath(parent, name, safe_mode(entry.mode, directory=True)))
@@ -207,11 +203,47 @@ def unpack(tree: PackedTree, target: Path, *, limit: int = DEFAULT_TREE_LIMIT_BY
                                     safe_mode(entry.mode))
             except IsADirectoryError:
                 skipped.append(f"{entry.path} (a directory of that name is there)")
-            finally:
-                os.close(parent)
-    finally:
-        os.close(top)
     return skipped
+
+
+class _Directories:
+    """Directories below a target, each opened (and made) beneath it once while it is
+    among the last `_KEPT` used: a tree's entries come parents first, so an entry's
+    parent is nearly always one of them, and a deep chain costs one step an entry, not
+    one per level."""
+
+    _KEPT = 64
+
+    def __init__(self, target: Path) -> None:
+        self._target = target
+        self._open: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def __enter__(self) -> _Directories:
+        self._open[""] = os.open(self._target, _DIR_FLAGS | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self._open.values():
+            os.close(fd)
+        self._open.clear()
+
+    def open(self, relative: str) -> int:
+        """The directory `relative` (made as needed, a link on the way replaced by a
+        directory); the descriptor stays this object's."""
+        known, rest = relative, ""
+        while known not in self._open:
+            known, _, last = known.rpartition("/")
+            rest = f"{last}/{rest}" if rest else last
+        fd = self._open[known]
+        self._open.move_to_end(known)
+        for part in rest.split("/") if rest else ():
+            fd = make_dir_beneath(fd, part, 0o755)
+            known = f"{known}/{part}" if known else part
+            self._open[known] = fd
+            if len(self._open) > self._KEPT:
+                evicted = next(key for key in self._open if key != "")
+                os.close(self._open.pop(evicted))
+        return fd
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -222,7 +254,8 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def remove_tree(path: Path) -> None:
     """Remove `path` and everything below it, links themselves and never what they point
-    to, without recursion (Python's `shutil.rmtree` recurses once per level)."""
+    to, without recursion (Python's `shutil.rmtree` recurses once per level) and with one
+    directory open at a time, however deep (a path past PATH_MAX included)."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -230,18 +263,27 @@ def remove_tree(path: Path) -> None:
     if not stat.S_ISDIR(info.st_mode):
         os.unlink(path)
         return
-    stack = [str(path)]
-    while stack:
-        directory = stack[-1]
-        subdirectories = []
-        with os.scandir(directory) as listing:
+    fd = os.open(path, _DIR_FLAGS | os.O_NOFOLLOW | os.O_CLOEXEC)
+    names: list[str] = []  # the way down from `path`
+    while True:
+        below = None
+        with os.scandir(fd) as listing:
             for entry in listing:
                 if entry.is_dir(follow_symlinks=False):
-                    subdirectories.append(entry.path)
-                else:
-                    os.unlink(entry.path)
-        if subdirectories:
-            stack.extend(subdirectories)  # this directory is looked at again once they are gone
-        else:
-            os.rmdir(directory)
-            stack.pop()
+                    below = entry.name
+                    break
+                os.unlink(entry.name, dir_fd=fd)
+        if below is not None:
+            child = os.open(below, _DIR_FLAGS | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = child
+            names.append(below)
+            continue
+        if not names:
+            os.close(fd)
+            os.rmdir(path)
+            return
+        parent = os.open("..", _DIR_FLAGS | os.O_CLOEXEC, dir_fd=fd)  # a real directory's parent
+        os.close(fd)
+        os.rmdir(names.pop(), dir_fd=parent)
+        fd = parent
