@@ -239,6 +239,7 @@ class RemotePool(Pool):
         self._docs: dict[str, dict[str, Any]] = {}
         self._providers: dict[int, tuple[object, dict[str, Any]]] = {}
         self._loaded: set[type] = set()
+        self._checked: dict[int, tuple[EpisodeSpec, EpisodeData]] = {}  # by a fan-out, by id
         order = [index for _ in range(slots) for index in range(len(handles))]
         self._free_send, self._free = trio.open_memory_channel[int](len(order))
         for index in order:
@@ -248,13 +249,17 @@ class RemotePool(Pool):
         """Before a fan-out: every spec can be sent, and every worker can load each kind
         of environment the specs use; a `ValueError` or `ClusterError` otherwise."""
         for spec in specs:
-            await self._data(spec, 0)
+            self._checked[id(spec)] = (spec, await self._data(spec, 0))
         await self._load([spec.environment for spec in specs])
 
     async def run_spec(self, spec: EpisodeSpec) -> RunResult:
         """Run one spec on a worker with a free place (see `Pool.run`)."""
-        data = await self._data(spec, next(self._keys))
-        await self._load([spec.environment])
+        known = self._checked.pop(id(spec), None)
+        if known is not None and known[0] is spec:  # checked by its fan-out just before
+            data = known[1].model_copy(update={"key": next(self._keys)})
+        else:
+            data = await self._data(spec, next(self._keys))
+            await self._load([spec.environment])
         index = await self._free.receive()
         handle = self._handles[index]
         started_at = datetime.now(UTC)
