@@ -147,6 +147,20 @@ def test_a_job_on_a_two_node_cluster_runs_on_both_nodes_and_brings_every_trial_b
         assert result["config"]["task"]["path"] == str(TASKS / "hello-file")
 
 
+def test_a_worker_that_cannot_load_the_environment_is_one_line_before_any_trial(
+        ray_cluster: Any, tmp_path: Path) -> None:
+    from harbor.models.trial.config import EnvironmentConfig
+
+    from wmo_trio.cluster import ClusterError
+
+    config = job_config(tmp_path, "unloadable", TASKS / "hello-file", attempts=1, concurrency=1)
+    config.environment = EnvironmentConfig(import_path="wmo_trio_no_such_module:Environment")
+    with pytest.raises(ClusterError, match=r"cannot load what the work needs: .*no_such_module") as refused:
+        run_job(config, ray_address=ray_cluster.address)
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "unloadable").exists()  # no job, no trial
+
+
 def test_a_worker_killed_mid_job_loses_no_trial(ray_cluster: Any, tmp_path: Path) -> None:
     from benchmarks.messages_server import serve
 
