@@ -33,7 +33,7 @@ from benchmarks import harbor_job, traffic
 ROOT = Path(__file__).resolve().parent.parent
 IMPLS = ("research-workers", "research", "sdk-alone")
 # episodes; harbor trials and their -n
-SIZES = {"full": (4096, 256, 64), "quick": (64, 16, 8), "smoke": (2, 2, 2)}
+SIZES = {"full": (4096, 256, 64), "quick": (32, 8, 4), "smoke": (2, 2, 2)}
 
 
 def run(quick: bool, smoke: bool = False, log: Any = lambda line: None) -> dict[str, Any]:

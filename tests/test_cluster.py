@@ -279,3 +279,29 @@ async def test_the_research_fan_out_runs_on_two_workers_and_refuses_what_cannot_
     for i in range(12):
         assert (tmp_path / f"out-{i}.txt").read_text().strip() == "hi"
         assert json.loads((tmp_path / f"trace-{i}.json").read_text())["stop_reason"] == "submitted"
+
+
+async def test_cancelling_a_fan_out_on_workers_writes_each_partial_trace_here(
+        ray_cluster: Any, tmp_path: Path) -> None:
+    import wmo_trio
+    from benchmarks.messages_server import serve
+    from wmo_trio import EpisodeSpec, LocalProcessEnvironment
+
+    doc = wmo_trio.load_harness(ROOT / "examples" / "harness.json")
+    with serve(delay_s=0, tool_calls=4) as server:
+        server.hold()
+        provider = {"kind": "anthropic", "model": "claude-bench", "base_url": server.base_url,
+                    "api_key_env": KEY_ENV}
+        specs = [EpisodeSpec(doc, provider, "run four steps", LocalProcessEnvironment(tmp_path),
+                             task_id=f"held-{i}", trace_path=tmp_path / f"held-{i}.json")
+                 for i in range(4)]
+        async with wmo_trio.open_episode_pool(limit=4, ray_address=ray_cluster.address) as pool:
+            with trio.move_on_after(TIMEOUT_S) as cap:
+                async with pool.fan_out(specs):
+                    while server.stats()["held"] < 4:  # noqa: ASYNC110 - another process's state
+                        await trio.sleep(0.2)
+                    # every episode is in its model call on a worker: leave the block
+        assert not cap.cancelled_caught
+    for i in range(4):
+        trace = json.loads((tmp_path / f"held-{i}.json").read_text())
+        assert trace["stop_reason"] == "cancelled-by-caller" and trace["partial"] is True

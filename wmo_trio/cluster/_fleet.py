@@ -317,9 +317,14 @@ def _error_result(config: Any, returned: TrialReturn | BaseException, template: 
         message = returned.error or "the trial ended without a result"
         trace = returned.error_trace or message
     else:
-        kind = "CancelledError" if cancelled else WorkerLostError.__name__
+        from ray.exceptions import RayActorError
+
+        lost = isinstance(returned, RayActorError)
+        kind = ("CancelledError" if cancelled
+                else WorkerLostError.__name__ if lost else type(returned).__name__)
         message = (f"the worker process running this trial was lost ({type(returned).__name__}), "
-                   f"after {CALL_RETRIES} retry: {str(returned).strip()[:2000]}")
+                   f"after {CALL_RETRIES} retry: {str(returned).strip()[:2000]}" if lost
+                   else f"its worker failed: {str(returned).strip()[:2000]}")
         trace = "".join(traceback.format_exception(returned))
     now = datetime.now(UTC)
     info = ExceptionInfo(exception_type=kind, exception_message=message,

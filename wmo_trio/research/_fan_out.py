@@ -122,6 +122,7 @@ class EpisodeWorker:
         self._nursery: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
+        self._problem: BaseException | None = None
         self._thread = threading.Thread(target=trio.run, args=(self._serve, limit),
                                         name="wmo-trio-episodes", daemon=True)
         self._thread.start()
@@ -129,17 +130,22 @@ class EpisodeWorker:
 
     async def _serve(self, limit: int) -> None:
         self._stop = trio.Event()
-        async with open_local_pool(limit) as pool, trio.open_nursery() as nursery:
-            self._pool, self._nursery = pool, nursery
-            self._token = trio.lowlevel.current_trio_token()
+        try:
+            async with open_local_pool(limit) as pool, trio.open_nursery() as nursery:
+                self._pool, self._nursery = pool, nursery
+                self._token = trio.lowlevel.current_trio_token()
+                self._ready.set()
+                await self._stop.wait()
+                nursery.cancel_scope.cancel()
+        except Exception as error:  # reported by ready(): the worker cannot run episodes
+            self._problem = error
+        finally:
             self._ready.set()
-            await self._stop.wait()
-            nursery.cancel_scope.cancel()
 
     async def ready(self, *environments: Any) -> WorkerInfo:
         """This worker; its arguments are sample environments, unpickled on the way in (a
         class this machine cannot import fails the call)."""
-        return this_worker(self._index)
+        return this_worker(self._index, self._problem)
 
     async def cancel(self, keys: list[int]) -> None:
         assert self._token is not None
@@ -239,6 +245,7 @@ class RemotePool(Pool):
         self._docs: dict[str, dict[str, Any]] = {}
         self._providers: dict[int, tuple[object, dict[str, Any]]] = {}
         self._loaded: set[type] = set()
+        self._limiter = trio.CapacityLimiter(limit)
         self._checked: dict[int, tuple[EpisodeSpec, EpisodeData]] = {}  # by a fan-out, by id
         order = [index for _ in range(slots) for index in range(len(handles))]
         self._free_send, self._free = trio.open_memory_channel[int](len(order))
@@ -260,6 +267,10 @@ class RemotePool(Pool):
         else:
             data = await self._data(spec, next(self._keys))
             await self._load([spec.environment])
+        async with self._limiter:
+            return await self._run_data(spec, data)
+
+    async def _run_data(self, spec: EpisodeSpec, data: EpisodeData) -> RunResult:
         index = await self._free.receive()
         handle = self._handles[index]
         started_at = datetime.now(UTC)
