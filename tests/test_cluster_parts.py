@@ -152,3 +152,36 @@ def test_an_agents_arguments_travel_as_data(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="record names a file of this machine"):
         portable_arguments({"provider_config": {"kind": "scripted", "model": "s",
                                                 "record": str(tmp_path / "calls.jsonl")}})
+
+
+def test_a_hostile_trial_directory_comes_back_as_harbors_own_records(tmp_path: Path) -> None:
+    """What a worker sends back is the trial's: its `config.json` a directory, its
+    `result.json` a link out of the tree. The driver writes harbor's records over them, a
+    result saying the trial ended without one of harbor's, and nothing outside."""
+    from harbor.models.trial.config import TaskConfig, TrialConfig
+    from harbor.models.trial.result import TrialResult
+
+    from wmo_trio.cluster._fleet import _write_trial
+    from wmo_trio.cluster._trial_worker import TrialReturn
+    from wmo_trio.cluster._workers import WorkerInfo
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    config = TrialConfig(task=TaskConfig(path=ROOT / "examples" / "tasks" / "hello-file"),
+                         trials_dir=tmp_path / "job")
+    tree = PackedTree(entries=[
+        PackedEntry(path="config.json", kind="dir"),
+        PackedEntry(path="config.json/x", kind="file", data=b"x"),
+        PackedEntry(path="result.json", kind="link", target=str(outside / "result.json")),
+        PackedEntry(path="agent", kind="dir"),
+        PackedEntry(path="agent/notes.txt", kind="file", data=b"kept")])
+    returned = TrialReturn(files=tree, worker=WorkerInfo(index=0, node_id="n", host="h", pid=1))
+    result, lock = _write_trial(tmp_path / "job" / config.trial_name, config, returned, None,
+                                False, 1 << 20)
+    trial = tmp_path / "job" / config.trial_name
+    assert TrialConfig.model_validate_json((trial / "config.json").read_text()) == config
+    written = TrialResult.model_validate_json((trial / "result.json").read_text())
+    assert written.exception_info is not None and written.exception_info.exception_type == "TrialError"
+    assert written == result and lock is None and (trial / "exception.txt").is_file()
+    assert (trial / "agent" / "notes.txt").read_text() == "kept"
+    assert list(outside.iterdir()) == []

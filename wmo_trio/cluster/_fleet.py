@@ -365,8 +365,9 @@ def _read_model(trial_dir: Path, name: str, model: Any) -> Any:
 
 
 def _write_text(path: Path, text: str) -> None:
-    """Write one of harbor's records in the trial directory, replacing a link there."""
-    path.unlink(missing_ok=True)
+    """Write one of harbor's records in the trial directory, replacing whatever the trial's
+    tree put at its name (a link, a directory)."""
+    remove_tree(path)
     path.write_text(text)
 
 
