@@ -77,3 +77,15 @@ def wait_until_gone(pids: set[int], timeout_s: float) -> set[int]:
     while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     return alive(pids)
+
+
+def command_lines_of(pids: set[int]) -> dict[int, str]:
+    """The command lines of `pids` (for a failure's message), cut short."""
+    lines = {}
+    for pid in sorted(pids):
+        try:
+            lines[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+                errors="replace")[:120]
+        except OSError:
+            continue
+    return lines

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import trio
-from processes import alive, descendants, wait_until_gone
+from processes import alive, command_lines_of, descendants, wait_until_gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.harbor]
 
@@ -51,15 +51,18 @@ def ray_cluster() -> Iterator[Any]:
         # What the workers' agents need, in the environment the nodes hand their workers.
         patch.setenv(KEY_ENV, "test-key")
         patch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        # This process's other children (earlier test files' servers) are not the cluster's.
+        before = descendants(os.getpid())
         cluster = Cluster(initialize_head=True, shutdown_at_exit=False,
                           head_node_args={"num_cpus": 1, "include_dashboard": False})
         try:
             cluster.add_node(num_cpus=1)
-            started = descendants(os.getpid())
             yield cluster
         finally:
+            started = descendants(os.getpid()) - before
             cluster.shutdown()
-    assert wait_until_gone(started, 30) == set(), "the test cluster left processes behind"
+    left = wait_until_gone(started, 30)
+    assert left == set(), f"the test cluster left processes behind: {command_lines_of(left)}"
     shutil.rmtree(scratch, ignore_errors=True)
 
 
