@@ -150,6 +150,46 @@ def test_a_job_on_a_two_node_cluster_runs_on_both_nodes_and_brings_every_trial_b
         assert result["config"]["task"]["path"] == str(TASKS / "hello-file")
 
 
+def test_a_fleet_runs_explicit_trials_in_order_into_one_job_directory(
+        ray_cluster: Any, tmp_path: Path) -> None:
+    """The reusable piece beneath `--workers`, as a race runs its rounds: harbor
+    `TrialConfig`s of two candidates' agent configurations, results in their order."""
+    from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig, TrialConfig
+
+    from wmo_trio.cluster import ClusterOptions, open_trial_fleet
+
+    def agent(harness: str) -> AgentConfig:
+        return AgentConfig(import_path="wmo_trio.harbor:WmoTrioHarborAgent", model_name="scripted/offline",
+                           skip_model_parsing=True, kwargs={
+                               "harness": str(ROOT / "examples" / harness),
+                               "provider_config": {"kind": "scripted", "model": "offline"}})
+
+    environment = EnvironmentConfig(import_path=LOCAL_ENVIRONMENT)
+    candidates = [agent("harness.json"), agent("harness-terse.json")]
+    configs = [TrialConfig(task=TaskConfig(path=TASKS / "hello-file"), trials_dir=tmp_path / "race",
+                           agent=candidate, environment=environment) for candidate in candidates]
+    ends: list[str] = []
+
+    async def watch(event: Any) -> None:
+        if event.event.value == "end":
+            ends.append(event.trial_name)
+
+    async def main() -> list[Any]:
+        with trio.fail_after(TIMEOUT_S):
+            async with open_trial_fleet(ClusterOptions(ray_address=ray_cluster.address), concurrency=2,
+                                        agents=candidates, environment=environment) as fleet:
+                results: list[Any] = await fleet.run_trials(configs, concurrency=2, watch=watch)
+                return results
+
+    results = trio.run(main)
+    assert [result.trial_name for result in results] == [config.trial_name for config in configs]
+    assert sorted(ends) == sorted(config.trial_name for config in configs)
+    for config, result in zip(configs, results, strict=True):
+        assert result.verifier_result.rewards == {"reward": 1.0}
+        written = json.loads((tmp_path / "race" / config.trial_name / "result.json").read_text())
+        assert written["config"]["agent"]["kwargs"]["harness"] == config.agent.kwargs["harness"]
+
+
 def test_a_worker_that_cannot_load_the_environment_is_one_line_before_any_trial(
         ray_cluster: Any, tmp_path: Path) -> None:
     from harbor.models.trial.config import EnvironmentConfig

@@ -141,6 +141,30 @@ class TrialFleet:
             del self._in_flight[config.trial_name]
             self._free_send.send_nowait(index)
 
+    async def run_trials(self, configs: Sequence[Any], *, concurrency: int,
+                         watch: Callable[[Any], Awaitable[None]] | None = None) -> list[Any]:
+        """Run `configs` (harbor `TrialConfig`s), at most `concurrency` at a time (and at
+        most the fleet's), and return their `TrialResult`s in the order of `configs`;
+        `watch` gets each of harbor's trial events (`TrialHookEvent`, its paths this
+        machine's). The shape of a race's trial runner (`wmo_trio.harbor._trials`):
+        cancelling the calling scope cancels every trial and returns only once each is
+        stopped and written (see `run_trial`)."""
+        results: list[Any] = [None] * len(configs)
+        limiter = trio.CapacityLimiter(concurrency)
+
+        async def forward(event: FleetEvent) -> None:
+            assert watch is not None
+            await watch(event.hook)
+
+        async def one(index: int, config: Any) -> None:
+            async with limiter:
+                results[index] = await self.run_trial(config, forward if watch else None)
+
+        async with trio.open_nursery() as nursery:
+            for index, config in enumerate(configs):
+                nursery.start_soon(one, index, config)
+        return results
+
     async def _request(self, config: Any, retry: Any) -> tuple[TrialRequest, list[Any]]:
         """What the worker is sent: the config with the agent's arguments made portable
         and the task, when it is a directory here, packed once into Ray's object store."""
