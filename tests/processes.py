@@ -22,6 +22,25 @@ def command_lines() -> list[str]:
     return rows
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (its children, theirs, ...)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = Path(f"/proc/{name}/stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(name))
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found += children.get(current, [])
+        pending += children.get(current, [])
+    return found
+
+
 def running(fragment: str) -> bool:
     return any(fragment in row for row in command_lines())
 
@@ -38,24 +57,6 @@ def when_written(fifo: Path, then: Callable[[], None]) -> None:
         then()
 
     threading.Thread(target=wait, daemon=True).start()
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (its children, theirs, ...), read from the kernel's
-    children lists of each thread."""
-    found: set[int] = set()
-    pending = [pid]
-    while pending:
-        parent = pending.pop()
-        for listing in Path(f"/proc/{parent}/task").glob("*/children"):
-            try:
-                children = {int(child) for child in listing.read_text().split()}
-            except OSError:
-                continue
-            for child in children - found:
-                found.add(child)
-                pending.append(child)
-    return found
 
 
 def alive(pids: set[int]) -> set[int]:

@@ -52,14 +52,14 @@ def ray_cluster() -> Iterator[Any]:
         patch.setenv(KEY_ENV, "test-key")
         patch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
         # This process's other children (earlier test files' servers) are not the cluster's.
-        before = descendants(os.getpid())
+        before = set(descendants(os.getpid()))
         cluster = Cluster(initialize_head=True, shutdown_at_exit=False,
                           head_node_args={"num_cpus": 1, "include_dashboard": False})
         try:
             cluster.add_node(num_cpus=1)
             yield cluster
         finally:
-            started = descendants(os.getpid()) - before
+            started = set(descendants(os.getpid())) - before
             cluster.shutdown()
     left = wait_until_gone(started, 30)
     assert left == set(), f"the test cluster left processes behind: {command_lines_of(left)}"
@@ -267,7 +267,7 @@ def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path: Path) -> None:
                     await trio.sleep(0.2)
 
             trio.run(_within, TIMEOUT_S, both_trials_in_a_model_call)
-            started = descendants(process.pid)
+            started = set(descendants(process.pid))
             process.send_signal(signal.SIGINT)
             _, err = process.communicate(timeout=TIMEOUT_S)
         finally:
