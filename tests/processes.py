@@ -81,12 +81,12 @@ def wait_until_gone(pids: set[int], timeout_s: float) -> set[int]:
 
 
 def command_lines_of(pids: set[int]) -> dict[int, str]:
-    """The command lines of `pids` (for a failure's message), cut short."""
+    """The command lines of `pids`."""
     lines = {}
     for pid in sorted(pids):
         try:
             lines[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-                errors="replace")[:120]
+                errors="replace")
         except OSError:
             continue
     return lines

@@ -117,7 +117,7 @@ def run(
     workers: Annotated[str | None, typer.Option(
         "--workers", help="Run the trials on N worker processes of this machine (auto: one per "
         "core), on a Ray started and stopped by this command; needs pip install "
-        "'wmo_trio[ray]'.")] = None,
+        "'wmo_trio\\[ray]'.")] = None,
     ray_address: Annotated[str | None, typer.Option(
         "--ray-address", help="Run the trials on the running Ray cluster at ADDRESS (auto: "
         "RAY_ADDRESS, or the cluster ray start began here), one worker per node unless "
