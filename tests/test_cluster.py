@@ -63,8 +63,8 @@ def ray_cluster() -> Iterator[Any]:
             started = set(descendants(os.getpid())) - before
             cluster.shutdown()
     left = wait_until_gone(started, 30)
-    assert left == set(), f"the test cluster left processes behind: {command_lines_of(left)}"
     shutil.rmtree(scratch, ignore_errors=True)
+    assert left == set(), f"the test cluster left processes behind: {command_lines_of(left)}"
 
 
 def job_config(jobs_dir: Path, name: str, path: Path, *, attempts: int, concurrency: int,
