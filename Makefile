@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml constraints.txt scripts/find-python
 	        echo "note: install $(SANDBOX_PACKAGES) to use the docker-free environment"; \
 	    fi; }
 	@test -x $(PY) || { py=$$(scripts/find-python) && echo "creating $(VENV) with $$py" && "$$py" -m venv $(VENV); }
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench,ray]'
 	@touch $(STAMP)
 
 # The whole suite, with lint and types: what CI runs, in TEST_PROCESSES processes. Each

@@ -3,8 +3,10 @@
 Runs every engine scenario for the asyncio baseline and for wmo_trio under each host (each
 in its own interpreter, since trio-asyncio changes asyncio's loop policy process-wide), real
 model traffic through the real SDK (`benchmarks/traffic.py`), the real harbor job, the
-docker-free environment's start/stop cost, and what the sandbox backend adds to an episode
-over `local` (`benchmarks/sandbox_backend.py`). Writes `results.json`,
+docker-free environment's start/stop cost, what the sandbox backend adds to an episode
+over `local` (`benchmarks/sandbox_backend.py`), and the scale-out on Ray: the research API
+on worker processes against one process and the SDK alone, a harbor job with `--workers`
+against one process (`benchmarks/scale_out.py`). Writes `results.json`,
 `results.md` (each figure for the baseline and every wmo_trio host, with the ratio) and
 PNG plots of start and cancellation latency against the number of concurrent episodes.
 All figures come from this one run on this machine: compare ratios, not absolute values.
@@ -290,6 +292,10 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {burst['n']} at once: submitted | {burst['local']['submitted']} "
             f"| {burst['sandbox']['submitted']} | - |",
         ]
+    if results.get("scale_out"):
+        from benchmarks import scale_out
+
+        lines += scale_out.markdown(results["scale_out"])
     return "\n".join(lines) + "\n"
 
 
@@ -420,7 +426,7 @@ def update_docs(table: str, plotted: list[Path]) -> None:
 
 
 # What a run measures, in order; each is saved to partial.json as it ends.
-PARTS = ("engine", "traffic", "harbor_job", "local_environment", "sandbox_backend")
+PARTS = ("engine", "traffic", "harbor_job", "local_environment", "sandbox_backend", "scale_out")
 
 
 def main() -> None:
@@ -438,15 +444,16 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true",
                         help="keep the parts a run that stopped early measured (in --out's "
                              "partial.json, same mode and day) and run only the rest")
-    parser.add_argument("--only", choices=("engine", "traffic", "harbor", "sandbox"),
-                        help="one part of the suite (not with --docs)")
+    parser.add_argument("--only", choices=("engine", "traffic", "harbor", "sandbox", "scale-out"),
+                        help="one part of the suite (not with --docs); scale-out: the research "
+                             "API and a harbor job on Ray worker processes against one process")
     args = parser.parse_args()
     if args.only and args.docs:
         parser.error("--docs needs every scenario: leave out --only")
     if args.smoke and (args.docs or not args.quick):
         parser.error("--smoke is a smaller --quick run, never for the docs: use it with "
                      "--quick and without --docs")
-    parts = {args.only} if args.only else {"engine", "traffic", "harbor", "sandbox"}
+    parts = {args.only} if args.only else {"engine", "traffic", "harbor", "sandbox", "scale-out"}
     if args.skip_harbor:
         parts.discard("harbor")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -512,6 +519,14 @@ def main() -> None:
 
         print("sandbox backend ...", file=sys.stderr, flush=True)
         results["sandbox_backend"] = sandbox_backend.run(args.quick, args.smoke)
+    if "scale-out" in parts and "scale_out" not in results:
+        from benchmarks import scale_out
+
+        print("scale-out on Ray ...", file=sys.stderr, flush=True)
+        results["scale_out"] = scale_out.run(
+            args.quick, args.smoke,
+            log=lambda line: print(f"scale-out: {line}", file=sys.stderr, flush=True))
+        save()
     if forked_engines:
         results["engine"] = {impl: forked.result(3600) for impl, forked in forked_engines.items()}
         save()

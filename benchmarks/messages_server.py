@@ -21,7 +21,9 @@ whether the server serves its model).
 
 Per request, `x-bench-delay-ms` overrides the delay (the SDK's own cost is measured at
 delay 0 against the same server). `GET /stats` answers counters and the server's own CPU
-time; `POST /stats/reset` answers them too and starts new ones.
+time (and how many replies are held); `POST /stats/reset` answers them too and starts new
+ones. `POST /hold` makes model replies wait, unanswered, until `POST /release` (tests that
+act while calls are in flight).
 
 The server is a bare `asyncio.Protocol` with just enough HTTP/1.1: a request line,
 headers, a `Content-Length` body, keep-alive (and pipelining, answered in order). It is
@@ -195,8 +197,15 @@ class _Connection(asyncio.Protocol):
         elif method == "GET" and path == "/v1/models":
             status, payload = 200, {"object": "list", "data": [
                 {"id": MODEL, "object": "model", "created": 0, "owned_by": "bench"}]}
+        elif method == "POST" and path in ("/hold", "/release"):
+            status, payload = 200, {"held": len(server.held)}
+            server.holding = path == "/hold"
+            if not server.holding:
+                for connection, held, data in server.held:
+                    connection._fill(held, data)
+                server.held.clear()
         elif method == "GET" and path == "/stats":
-            status, payload = 200, server.counters.snapshot()
+            status, payload = 200, {**server.counters.snapshot(), "held": len(server.held)}
         elif method == "POST" and path == "/stats/reset":
             status, payload = 200, server.counters.snapshot()
             server.counters.reset()
@@ -208,7 +217,9 @@ class _Connection(asyncio.Protocol):
         reply.close = headers.get("connection", "").lower() == "close"
         self._replies.append(reply)
         data = _response(status, payload, close=reply.close)
-        if delay > 0:
+        if server.holding and method == "POST" and path in _REPLIERS:
+            server.held.append((self, reply, data))
+        elif delay > 0:
             asyncio.get_running_loop().call_later(delay, self._fill, reply, data)
         else:
             self._fill(reply, data)
@@ -268,6 +279,10 @@ class _Server:
         self.tool_calls = tool_calls
         self.counters = _Counters()
         self._ids = itertools.count(1)
+        # POST /hold: model replies wait, unanswered, until POST /release (tests that must
+        # act while calls are in flight: a worker killed, a Ctrl-C).
+        self.holding = False
+        self.held: list[tuple[_Connection, _Reply, bytes]] = []
 
     def _turn(self, headers: dict[str, str], body: bytes, api: str) -> _Call | tuple[int, dict[str, Any]]:
         """The turn's tool call, or (status, error payload) for a request we refuse."""
@@ -360,6 +375,14 @@ class MessagesServer:
         with urllib.request.urlopen(request, timeout=30) as response:
             result: dict[str, Any] = json.load(response)
         return result
+
+    def hold(self, holding: bool = True) -> None:
+        """From now on, model replies wait unanswered (`held` in `stats`) until
+        `hold(False)` answers them all."""
+        request = urllib.request.Request(self.base_url + ("/hold" if holding else "/release"),
+                                         method="POST")
+        with urllib.request.urlopen(request, timeout=30):
+            pass
 
     def stop(self) -> None:
         if self.process.poll() is None:

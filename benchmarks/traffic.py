@@ -72,6 +72,10 @@ from benchmarks.forked import Forked
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPLS = ("baseline", "thread", "guest", "trio-asyncio", "research", "sdk-alone")
+# Beyond one process (benchmarks/scale_out.py): the research API on WORKERS Ray worker
+# processes of an embedded local Ray; run only when asked for, never in the suite's table.
+SCALE_OUT_IMPLS = ("research-workers",)
+WORKERS = 2
 PROVIDERS = ("anthropic", "openai", "scripted")
 SDK_PROVIDERS = ("anthropic", "openai")  # each its SDK, of the same name
 API_KEY_ENV = "WMO_BENCH_ANTHROPIC_KEY"
@@ -363,6 +367,45 @@ class SleepingTrioEnvironment:
         raise NotImplementedError("the benchmark's environment only runs commands")
 
 
+class SendableSleepingEnvironment:
+    """`SleepingTrioEnvironment` for worker processes: sent to them as data (pickled), so it
+    counts nothing here; the steps are counted from the episodes' results."""
+
+    def __init__(self, command_s: float) -> None:
+        self._command_s = command_s
+
+    async def exec(self, command: str) -> Any:
+        import trio
+
+        from wmo_trio.episode.environment import CommandResult
+
+        await trio.sleep(self._command_s)
+        return CommandResult(f"ran {command}\n", "", 0)
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        raise NotImplementedError("the benchmark's environment only runs commands")
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU time (user and system) of `pid` and every process below it, as the kernel counts
+    it now: a driver and the Ray processes it started (its cluster, its workers)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total, pending, seen = 0.0, [pid], set()
+    while pending:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+            for listing in Path(f"/proc/{current}/task").glob("*/children"):
+                pending.extend(int(child) for child in listing.read_text().split())
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
 # -- drivers ------------------------------------------------------------------------------
 
 
@@ -384,6 +427,7 @@ class Burst:
     skip_model_parsing: bool = False
     window: Window = field(default_factory=Window)
     sampler: ThreadSampler = field(default_factory=ThreadSampler)
+    tree_cpu_s: float | None = None
 
     def trial_dir(self, index: int) -> Path:
         return self.root / f"trial-{index}"
@@ -468,8 +512,12 @@ async def harbor_trials(burst: Burst, environments: list[Any]) -> None:
     await asyncio.gather(*(trial(index) for index in range(burst.n)))
 
 
-async def research_trials(burst: Burst, doc: Any, environments: list[Any]) -> None:
-    """The research API: one pool, one fan-out of every episode, from trio."""
+async def research_trials(burst: Burst, doc: Any, environments: list[Any], pool: Any = None) -> None:
+    """The research API: one pool (opened here, or `pool`, open already), one fan-out of
+    every episode, from trio. With `pool`, the steps are counted from the results (the
+    environments counted nothing in this process)."""
+    import contextlib
+
     import outcome
     import trio
 
@@ -482,13 +530,17 @@ async def research_trials(burst: Burst, doc: Any, environments: list[Any]) -> No
              for index in range(burst.n)]
     tally = burst.tally
     finished = 0
+    opened = contextlib.nullcontext(pool) if pool is not None else wmo_trio.open_episode_pool(limit=burst.n)
     with trio.move_on_after(burst.cap_s) as cap:
-        async with wmo_trio.open_episode_pool(limit=burst.n) as pool, pool.fan_out(specs) as results:
+        async with opened as running, running.fan_out(specs) as results:
             async for _, result in results:
                 finished += 1
                 if isinstance(result, outcome.Error):
                     tally.errors[type(result.error).__name__] += 1
-                elif result.value.stop_reason == "submitted":
+                    continue
+                if pool is not None:  # each tool step after a model call: bash calls, then submit
+                    burst.progress.commands += result.value.turns - 1
+                if result.value.stop_reason == "submitted":
                     tally.submitted += 1
                 else:
                     tally.errors[str(result.value.stop_reason)] += 1
@@ -607,7 +659,7 @@ def run_burst(burst: Burst) -> dict[str, Any]:
     if burst.provider in SDK_PROVIDERS:  # its SDK loaded before the burst, as after a first trial
         importlib.import_module(burst.provider)
 
-    host_beat = Heartbeat() if burst.impl not in ("research", "sdk-alone") else None
+    host_beat = Heartbeat() if burst.impl not in ("research", "sdk-alone", *SCALE_OUT_IMPLS) else None
     trio_beat = Heartbeat() if burst.impl != "baseline" else None
     window, progress = burst.window, burst.progress
     for index in range(burst.n):  # harbor creates each trial's directories before the agent runs
@@ -648,6 +700,38 @@ def run_burst(burst: Burst) -> dict[str, Any]:
                 nursery.cancel_scope.cancel()
 
         trio.run(trio_main)
+    elif burst.impl == "research-workers":
+        import trio
+
+        import wmo_trio
+
+        async def workers_main() -> None:
+            assert trio_beat is not None
+            doc = wmo_trio.parse_harness(HARNESS)
+            environments = [SendableSleepingEnvironment(burst.profile.command_s)
+                            for _ in range(burst.n)]
+            async with trio.open_nursery() as nursery, wmo_trio.open_episode_pool(
+                    limit=burst.n, workers=WORKERS) as pool:
+                nursery.start_soon(trio_beat.trio_task)
+                # One episode a worker first, as after a first trial: each worker's SDK
+                # import and client; the server's counters then count the burst alone.
+                warm = [wmo_trio.EpisodeSpec(doc, burst.provider_config(), INSTRUCTION,
+                                             SendableSleepingEnvironment(0.0), task_id="warm-up")
+                        for _ in range(WORKERS)]
+                async with pool.fan_out(warm) as warmed:
+                    async for _, result in warmed:
+                        result.unwrap()
+                reset = urllib.request.Request(burst.base_url + "/stats/reset", method="POST")
+                await trio.to_thread.run_sync(lambda: urllib.request.urlopen(reset, timeout=60).close())
+                before = tree_cpu_s(os.getpid())  # this process, its Ray, its workers
+                with burst.sampler.sampling():
+                    window.open()
+                    await research_trials(burst, doc, environments, pool)
+                    window.close()
+                burst.tree_cpu_s = tree_cpu_s(os.getpid()) - before
+                nursery.cancel_scope.cancel()
+
+        trio.run(workers_main)
     elif burst.impl == "sdk-alone":
         import trio
 
@@ -688,7 +772,8 @@ def run_burst(burst: Burst) -> dict[str, Any]:
     tally, profile = burst.tally, burst.profile
     wall = window.ended - window.launched
     steps = progress.commands + tally.submitted  # each a model call with its tool call
-    cpu = sum(window.cpu)
+    # beyond one process, every process of the layout: this one, its Ray and its workers
+    cpu = burst.tree_cpu_s if burst.tree_cpu_s is not None else sum(window.cpu)
     all_started = progress.all_started_at
     return {
         "impl": burst.impl, "provider": burst.provider, "n": burst.n,
@@ -1109,7 +1194,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.traffic")
     commands = parser.add_subparsers(dest="command", required=True)
     one = commands.add_parser("run", help="one implementation at one size, in this process")
-    one.add_argument("--impl", choices=IMPLS, action="append", required=True,
+    one.add_argument("--impl", choices=IMPLS + SCALE_OUT_IMPLS, action="append", required=True,
                      help="repeatable (a smoke run): each in turn, every burst it runs")
     one.add_argument("--sdk-calls", type=int, default=0,
                      help="first measure the SDKs' own cost (benchmarks/sdk_cost.py) with this "

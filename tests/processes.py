@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,3 +57,36 @@ def when_written(fifo: Path, then: Callable[[], None]) -> None:
         then()
 
     threading.Thread(target=wait, daemon=True).start()
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of `pids` that are still running (not gone, not zombies)."""
+    running = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            running.add(pid)
+    return running
+
+
+def wait_until_gone(pids: set[int], timeout_s: float) -> set[int]:
+    """Wait (at most `timeout_s`) for `pids` to end; those still running."""
+    deadline = time.monotonic() + timeout_s
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive(pids)
+
+
+def command_lines_of(pids: set[int]) -> dict[int, str]:
+    """The command lines of `pids`."""
+    lines = {}
+    for pid in sorted(pids):
+        try:
+            lines[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+                errors="replace")
+        except OSError:
+            continue
+    return lines

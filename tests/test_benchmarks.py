@@ -55,6 +55,7 @@ def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
         == sandboxed["burst"]["n"]
     assert all(sandboxed["start"][name]["start"]["median_ms"] > 0
                for name in ("local", "sandbox_pool", "sandbox_cold"))
+    check_scale_out(results["scale_out"])
     table = (tmp_path / "results.md").read_text()
     assert "| scenario | baseline (asyncio) |" in table and "cancel p99" in table
     assert "Real harbor job" in table and "process CPU time / ideal wall time" in table
@@ -65,6 +66,8 @@ def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
     assert "Beyond one process" in table and f"| wmo_trio thread | {cores} x 1 |" in table
     assert "No figures for" not in table
     assert "| added start latency, median | - |" in table
+    assert "| research API on 2 worker processes (Ray) |" in table
+    assert "| `wmo-trio run`, 2 workers |" in table
     for plot in ("start_latency.png", "cancel_latency.png"):
         assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
 
@@ -76,6 +79,24 @@ def test_a_smoke_run_is_only_a_smaller_quick_run(arguments: list[str], tmp_path:
                                cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert completed.returncode == 2 and "--smoke is a smaller --quick run" in completed.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def check_scale_out(scale_out: dict[str, Any]) -> None:
+    """Each layout of the scale-out ran every episode to its submit through the real SDK
+    (the workers' traces all written here), and both harbor jobs ran every trial."""
+    runs = {run["impl"]: run for run in scale_out["traffic"]}
+    assert set(runs) == {"research-workers", "research", "sdk-alone"}
+    n = scale_out["episodes"]
+    for impl, run in runs.items():
+        assert "failed" not in run, (impl, run.get("failed"))
+        assert run["submitted"] == n and run["timed_out"] == 0 and run["errors"] == {}, impl
+        assert run["steps"] == 5 * n and run["cpu_per_step_ms"] > 0, impl
+        assert run["traces"] == (0 if impl == "sdk-alone" else n), impl
+        assert run["server"]["requests"] == 5 * n, impl  # the workers' warm-up not counted
+    jobs = scale_out["harbor"]
+    for layout in ("one process", "2 workers"):
+        assert "failed" not in jobs[layout], jobs[layout]
+        assert jobs[layout]["trials"] == jobs["trials"] and jobs[layout]["mean_reward"] == 1.0
 
 
 def check_traffic(traffic: dict[str, Any]) -> None:

@@ -136,8 +136,8 @@ def test_the_import_graph_finds_the_modules_and_their_imports() -> None:
 
 def test_the_import_graph_counts_packages_run_on_the_way_and_imports_by_name() -> None:
     graph = import_graph()
-    # research imports wmo_trio.episode.environment, which runs wmo_trio.episode first
-    assert "wmo_trio.episode" in graph["wmo_trio.research"]
+    # research's pool imports wmo_trio.episode.environment, which runs wmo_trio.episode first
+    assert "wmo_trio.episode" in graph["wmo_trio.research._pool"]
     # a submodule's own package is already running: no edge back to it
     assert "wmo_trio.episode" not in graph["wmo_trio.episode.runtime"]
     # provider classes are imported by name, when a provider is built
@@ -203,10 +203,12 @@ def test_the_floor_check_refuses_newer_syntax_and_other_packages() -> None:
 # or runs `wmo-trio`'s command line must not import before a trial runs: each costs from a
 # tenth of a second to seconds of CPU, paid by every such process, and `trio_asyncio`
 # changes asyncio's loop policy for the whole process.
-HEAVY = ("anthropic", "openai", "e2b", "numpy", "scipy", "matplotlib", "litellm", "trio_asyncio")
+HEAVY = ("anthropic", "openai", "e2b", "numpy", "scipy", "matplotlib", "litellm", "trio_asyncio",
+         "ray")
 # wmo_trio's own modules that bring them, or that only some trials use.
 HEAVY_OWN = ("wmo_trio.compare", "wmo_trio.backends.e2b", "wmo_trio.backends.sandbox",
-             "wmo_trio.providers.anthropic", "wmo_trio.providers.openai", "wmo_trio.research")
+             "wmo_trio.providers.anthropic", "wmo_trio.providers.openai", "wmo_trio.research",
+             "wmo_trio.cluster")
 
 _LOAD_PROBE = """
 import importlib, json, sys

@@ -2,9 +2,11 @@
 
 The trio-native research API is available from here (imported on first use):
 
-- `open_episode_pool(limit=...)`, `EpisodePool`, `EpisodeSpec`: run episodes from trio;
+- `open_episode_pool(limit=...)`, `EpisodePool`, `EpisodeSpec`: run episodes from trio
+  (`workers=` / `ray_address=`: on Ray worker processes, `wmo_trio.cluster`);
 - `LocalProcessEnvironment`, `HarborEnvironment`, `TrioEnvironment`: where they run;
-- `run_harbor_job(config)`: a harbor `Job` from inside a trio program;
+- `run_harbor_job(config)`: a harbor `Job` from inside a trio program (its trials on Ray
+  workers with `workers=` / `ray_address=`);
 - `HarnessDoc`, `load_harness`, `RunResult`, `StopReason`: the data.
 
 The harbor agent is `wmo_trio.harbor:WmoTrioHarborAgent`.

@@ -26,6 +26,7 @@ from wmo_trio.providers import (
     ProviderConfigError,
     build_provider,
     parse_provider_config,
+    portable_provider_config,
 )
 from wmo_trio.settings import (
     DEFAULT_COMMAND_TIMEOUT_SEC,
@@ -151,3 +152,17 @@ def check_model_name_matches(model_name: str | None, config: ProviderConfig) -> 
             f"model_name (-m) must be {config.model_name!r} (provider_config kind/model), "
             f"got {model_name!r}"
         )
+
+
+
+def portable_arguments(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The agent's keyword arguments as they travel to a worker on another machine (one
+    with no view of this one's files): the document inline as its JSON object, the
+    provider configuration as `portable_provider_config` makes it. A `ValueError` for what
+    cannot travel (a provider's `record` or `replay` file)."""
+    portable = dict(kwargs)
+    if "harness" in portable:
+        portable["harness"] = harness_from(portable["harness"]).model_dump(mode="json")
+    if isinstance(portable.get("provider_config"), Mapping):
+        portable["provider_config"] = portable_provider_config(portable["provider_config"])
+    return portable

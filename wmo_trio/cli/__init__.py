@@ -114,6 +114,14 @@ def run(
         "--backend", help="Where the episode's program runs: local, e2b or sandbox. Default: "
         "sandbox for a code:runtime document where this machine can run it, else local.")]
     = None,
+    workers: Annotated[str | None, typer.Option(
+        "--workers", help="Run the trials on N worker processes of this machine (auto: one per "
+        "core), on a Ray started and stopped by this command; needs pip install "
+        "'wmo_trio\\[ray]'.")] = None,
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", help="Run the trials on the running Ray cluster at ADDRESS (auto: "
+        "RAY_ADDRESS, or the cluster ray start began here), one worker per node unless "
+        "--workers says how many.")] = None,
 ) -> None:
     """Run a harbor job with the wmo_trio agent, trio owning the loop (trio-asyncio)."""
     from rich.live import Live
@@ -125,6 +133,7 @@ def run(
         JobInterrupted,
         RunOptions,
         build_job_config,
+        cluster_options,
         examples_dir,
         interrupted_line,
         run_with_progress,
@@ -146,6 +155,7 @@ def run(
     with Live(Spinner("dots", "loading harbor, checking the options and the harness "
                       "document …"), console=console, transient=True):
         try:
+            cluster = cluster_options(workers, ray_address)
             config = build_job_config(options)
         except BadInput as error:
             refused = error
@@ -155,11 +165,15 @@ def run(
         raise fail(str(refused))
     import trio
 
+    from wmo_trio.cluster import ClusterError
+
     job_dir = Path(config.jobs_dir) / str(config.job_name)
     try:
-        trio.run(run_with_progress, config, console)
+        trio.run(run_with_progress, config, console, cluster)
     except JobInterrupted:
         raise fail(interrupted_line(job_dir), INTERRUPTED) from None
+    except ClusterError as error:  # before any trial: no cluster there, a worker cannot load
+        raise fail(str(error)) from None
     except Exception as error:  # the job itself broke: infrastructure, not the candidate
         raise fail(f"the job failed: {type(error).__name__}: {error}",
                    INFRASTRUCTURE_FAILURE) from error

@@ -269,13 +269,19 @@ _PHASES = {
 @dataclass
 class JobProgress:
     """What `wmo-trio run` shows while its job runs, kept current by harbor's trial hooks
-    (they run on harbor's loop, which is the trio thread: no lock is needed)."""
+    (they run on harbor's loop, which is the trio thread: no lock is needed); with
+    workers, also which worker runs each trial (`placed`)."""
 
     total: int
     stage: str = "creating the job: harbor's checks, the agent's preflight"
     phases: dict[str, str] = field(default_factory=dict)
     finished: dict[str, TrialRow] = field(default_factory=dict)
     interrupted: bool = False
+    workers: dict[str, str] = field(default_factory=dict)
+
+    async def placed(self, event: Any) -> None:
+        """A trial event from a worker (`wmo_trio.cluster.FleetEvent`): where it runs."""
+        self.workers[str(event.hook.trial_name)] = event.worker.label
 
     def watch(self, job: Any) -> None:
         """Register on a harbor `Job` (before it runs) the hooks that keep this current."""
@@ -325,7 +331,14 @@ class JobProgress:
                                    if phase == "starting its environment" else "")
                  for phase, n in counts.items()]
         queued = self.total - len(self.finished) - len(self.phases)
-        return "now: " + ", ".join(parts) + (f"; {queued} queued" if queued > 0 else "")
+        line = "now: " + ", ".join(parts) + (f"; {queued} queued" if queued > 0 else "")
+        where: dict[str, int] = {}
+        for name in self.phases:
+            if name in self.workers:
+                where[self.workers[name]] = where.get(self.workers[name], 0) + 1
+        if where:
+            line += "; running on " + ", ".join(f"{label}: {n}" for label, n in sorted(where.items()))
+        return line
 
 
 def summary_table(rows: list[TrialRow], title: str = "trials") -> Table:
@@ -371,13 +384,31 @@ class JobInterrupted(Exception):
         self.job_dir = job_dir
 
 
-async def run_with_progress(config: Any, console: Console) -> Path:
+def cluster_options(workers: str | None, ray_address: str | None) -> Any:
+    """`--workers`/`--ray-address` checked, Ray's presence included (`BadInput`); None
+    when the job runs in this process."""
+    from wmo_trio.cluster import ClusterError, ClusterOptions, import_ray
+
+    try:
+        options = ClusterOptions.of(workers, ray_address)
+        if options is not None:
+            import_ray()
+    except ClusterError as error:
+        raise BadInput(str(error)) from None
+    return options
+
+
+async def run_with_progress(config: Any, console: Console, cluster: Any = None) -> Path:
     """Run the job on the trio host, showing live progress; returns the job directory.
     Raises `JobInterrupted` once the job has ended after a Ctrl-C (a second one ends the
     process at once, exit code 130).
 
     The display is transient: when the job ends it is cleared, and the caller prints the
-    summary once. harbor's own bar is kept off the terminal meanwhile."""
+    summary once. harbor's own bar is kept off the terminal meanwhile.
+
+    With `cluster` (`wmo_trio.cluster.ClusterOptions`) the trials run on its workers; a
+    Ctrl-C then stops each running trial on its worker as harbor stops one, writes its
+    directory here, and ends the workers and an embedded Ray before `JobInterrupted`."""
     import trio
 
     from wmo_trio.cli._interrupt import cancelled_on_interrupt, leave_now
@@ -403,7 +434,11 @@ async def run_with_progress(config: Any, console: Console) -> Path:
                     await trio.sleep(0.25)
 
             nursery.start_soon(show)
-            await run_job(config, on_create=progress.watch)
+            if cluster is None:
+                await run_job(config, on_create=progress.watch)
+            else:
+                await run_job(config, on_create=progress.watch, workers=cluster.workers,
+                              ray_address=cluster.ray_address, on_event=progress.placed)
             nursery.cancel_scope.cancel()
     if interrupt.received:
         record_interrupted_end(job_dir)

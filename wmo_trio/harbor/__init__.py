@@ -3,7 +3,8 @@
 - `WmoTrioHarborAgent`: the import-path agent (`-a wmo_trio.harbor:WmoTrioHarborAgent`).
 - `LocalEnvironment`: a docker-free import-path environment
   (`-e wmo_trio.harbor:LocalEnvironment`).
-- `run_job`: run a harbor `Job` from a trio program, trio owning the loop.
+- `run_job`: run a harbor `Job` from a trio program, trio owning the loop (its trials on
+  Ray worker processes with `workers=` / `ray_address=`: `_cluster_job`).
 
 `LocalEnvironment` and `run_job` are imported on first use: a process that only loads the
 agent (harbor with another environment) does not import the sandbox. (`wmo-trio run`

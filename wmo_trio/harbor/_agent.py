@@ -30,6 +30,7 @@ from wmo_trio.agent_arguments import (
     AgentArguments,
     check_model_name_matches,
     parse_arguments,
+    portable_arguments,
     provider_for,
 )
 from wmo_trio.backends import build_runtime, unisolated_code_warning
@@ -117,6 +118,12 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         constructor: one line naming each bad argument (an unknown one with the closest
         known name), in place of harbor's generic listing."""
         return parse_arguments(kwargs)
+
+    @classmethod
+    def portable_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments as they travel to a worker process on another machine
+        (`wmo_trio.cluster`): the document, and a scripted provider's script, inline."""
+        return portable_arguments(kwargs)
 
     @classmethod
     def preflight(cls, kwargs: dict[str, Any] | None = None,

@@ -6,12 +6,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wmo_trio.engine import run_asyncio
 
+if TYPE_CHECKING:
+    from wmo_trio.cluster import FleetCallback
 
-async def run_job(config: Any, *, on_create: Callable[[Any], None] | None = None) -> Any:
+
+async def run_job(config: Any, *, on_create: Callable[[Any], None] | None = None,
+                  workers: int | str | None = None, ray_address: str | None = None,
+                  on_event: FleetCallback | None = None) -> Any:
     """From trio: create and run a harbor `Job` for `config` (a `JobConfig`), and return its
     `JobResult`. `on_create`, when given, is called with the `Job` once it is created and
     before it runs (to add trial hooks with `job.add_hook`; they run on harbor's loop, in
@@ -21,7 +26,22 @@ async def run_job(config: Any, *, on_create: Callable[[Any], None] | None = None
     open in this context), and every wmo_trio agent in the job reaches the engine through
     it. Cancelling the calling trio scope cancels the job and waits for harbor to finish
     its own cleanup.
+
+    With `workers` (a number, or `auto`: one per core) or `ray_address` (a running Ray
+    cluster, `auto` for Ray's own rule), the job's trials run on that many worker
+    processes of an embedded local Ray, or on the cluster's nodes, and come back into
+    this one job directory (`wmo_trio.harbor._cluster_job`); `on_event` then gets each
+    trial event with the worker it happened on. A `wmo_trio.cluster.ClusterError` says in
+    one line, before any trial, why that cannot be (Ray not installed, no cluster there,
+    a worker that cannot load the agent or the environment).
     """
+    from wmo_trio.cluster import ClusterOptions
+
+    options = ClusterOptions.of(workers, ray_address)
+    if options is not None:
+        from wmo_trio.harbor._cluster_job import run_job_on_fleet
+
+        return await run_job_on_fleet(config, options, on_create=on_create, on_event=on_event)
     from harbor.job import Job
 
     async def create_and_run() -> Any:

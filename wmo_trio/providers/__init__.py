@@ -54,6 +54,7 @@ __all__ = [
     "build_provider",
     "known_kinds",
     "parse_provider_config",
+    "portable_provider_config",
 ]
 
 # kind -> "module:Class"; classes are imported on first use so that an offline run never
@@ -123,3 +124,29 @@ def build_provider(
     if with_retries:
         provider = RetryingProvider(provider, RetryPolicy.from_settings(generic.retry))
     return provider
+
+
+# A scripted provider's script sent to another machine: replies, far less than this.
+_MAX_SCRIPT_BYTES = 64 << 20
+
+
+def portable_provider_config(config: Mapping[str, Any] | ProviderConfig) -> dict[str, Any]:
+    """A provider configuration as it travels to a worker process on another machine (one
+    with no view of this one's files): a scripted provider's script file inline as its
+    replies. A `ProviderConfigError` for a setting that names a file that cannot travel
+    (`record`, `replay`)."""
+    portable = config.model_dump() if isinstance(config, ProviderConfig) else dict(config)
+    for name in ("record", "replay"):
+        if portable.get(name) is not None:
+            raise ProviderConfigError(
+                f"provider_config: {name} names a file of this machine, which worker processes "
+                "on other machines do not have; run without workers")
+    if isinstance(portable.get("script"), str):
+        import json
+
+        from wmo_trio.files import read_bounded
+        from wmo_trio.providers.script import load_script
+
+        load_script(portable["script"])  # a bad script is refused here, as in one process
+        portable["script"] = json.loads(read_bounded(portable["script"], _MAX_SCRIPT_BYTES))
+    return portable

@@ -1,21 +1,5 @@
-"""A trio-native API for research harnesses: thousands of episodes, no harbor job needed.
-
-    async with wmo_trio.open_episode_pool(limit=32) as pool:
-        result = await pool.run(doc, {"kind": "scripted", "model": "offline"},
-                                "Create the file `a.txt` ...", LocalProcessEnvironment(workdir))
-        async with pool.fan_out(specs) as results:
-            async for spec, outcome in results:
-                ...
-
-Episodes run on the same engine as the harbor agent, with the same guarantees: when the
-caller's scope is cancelled, the episode is stopped, its worker waited for, and its
-cleanup and trace run shielded before the cancellation propagates.
-
-Environments here are trio-native (`TrioEnvironment`: async `exec` and `write_file`):
-`LocalProcessEnvironment` runs commands with `trio.run_process` in a directory of this
-host, and `HarborEnvironment` wraps a harbor task environment for trio programs that run
-harbor's asyncio code under trio-asyncio.
-"""
+"""The research API's pools in this process, its environments and its episode specs: see
+`wmo_trio.research`."""
 
 from __future__ import annotations
 
@@ -68,9 +52,9 @@ __all__ = [
     "EpisodeSpec",
     "HarborEnvironment",
     "LocalProcessEnvironment",
+    "Pool",
     "TrioEnvironment",
-    "open_episode_pool",
-    "run_harbor_job",
+    "open_local_pool",
 ]
 
 
@@ -266,15 +250,16 @@ def _prepared_provider(config: dict[str, Any]) -> Provider:
     return provider
 
 
-class EpisodePool:
-    """Runs episodes on the engine, at most `limit` at a time. Make one with
-    `open_episode_pool`."""
+class Pool:
+    """Runs episodes, at most `limit` at a time: in this process (`EpisodePool`) or on
+    worker processes (`wmo_trio.research._fan_out.RemotePool`). Make one with
+    `open_episode_pool`. A pool is `run_spec`; `run` and `fan_out` are the same for
+    both."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit: int = checked(PositiveInt, limit, "limit")
-        self._limiter = trio.CapacityLimiter(self.limit)
-        self._resolved = _Resolved()
-        current_engine().ensure_workers(self.limit)
+    limit: int
+
+    async def run_spec(self, spec: EpisodeSpec) -> RunResult:
+        raise NotImplementedError
 
     async def run(
         self,
@@ -303,15 +288,8 @@ class EpisodePool:
             episode_timeout=episode_timeout, trace_path=trace_path, context_window=context_window,
             backend=backend))
 
-    async def run_spec(self, spec: EpisodeSpec) -> RunResult:
-        settings: EpisodeSettings = EpisodeSettings.parse(
-            {"episode_timeout": spec.episode_timeout, "context_window": spec.context_window})
-        doc = await self._resolved.doc(spec.doc)
-        backend = await self._resolved.backend(doc, spec.backend)
-        provider = await self._resolved.provider(spec.provider)
-        episode = _PoolEpisode(spec, settings, doc, provider, backend)
-        async with self._limiter:
-            return await current_engine().run_episode(episode, workers=self.limit)
+    async def started(self, specs: list[EpisodeSpec]) -> None:
+        """Before a fan-out starts any of `specs`: refuse what this pool cannot run."""
 
     @asynccontextmanager
     async def fan_out(
@@ -324,6 +302,8 @@ class EpisodePool:
         Leaving the block cancels the episodes still running, with the engine's guarantees
         (stopped, waited for, traces written), before the block's exit returns.
         """
+        specs = list(specs)
+        await self.started(specs)
         send, receive = trio.open_memory_channel[tuple[EpisodeSpec, outcome.Outcome[RunResult]]](
             math.inf)
 
@@ -346,8 +326,27 @@ class EpisodePool:
                 nursery.cancel_scope.cancel()
 
 
+class EpisodePool(Pool):
+    """Runs episodes on this process's engine, at most `limit` at a time."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = checked(PositiveInt, limit, "limit")
+        self._limiter = trio.CapacityLimiter(self.limit)
+        self._resolved = _Resolved()
+        current_engine().ensure_workers(self.limit)
+
+    async def run_spec(self, spec: EpisodeSpec) -> RunResult:
+        settings: EpisodeSettings = EpisodeSettings.parse(
+            {"episode_timeout": spec.episode_timeout, "context_window": spec.context_window})
+        doc = await self._resolved.doc(spec.doc)
+        backend = await self._resolved.backend(doc, spec.backend)
+        provider = await self._resolved.provider(spec.provider)
+        episode = _PoolEpisode(spec, settings, doc, provider, backend)
+        async with self._limiter:
+            return await current_engine().run_episode(episode, workers=self.limit)
+
 @asynccontextmanager
-async def open_episode_pool(limit: int = 64) -> AsyncIterator[EpisodePool]:
+async def open_local_pool(limit: int = 64) -> AsyncIterator[EpisodePool]:
     """A pool of at most `limit` concurrent episodes for this block; cancelling the
     enclosing scope cancels its episodes with the engine's guarantees. Opening it starts
     the engine's worker threads for `limit` episodes, so a fan-out starts at once."""
@@ -358,10 +357,3 @@ async def open_episode_pool(limit: int = 64) -> AsyncIterator[EpisodePool]:
     finally:
         pool._resolved.close()
 
-
-async def run_harbor_job(config: Any) -> Any:
-    """From trio: run a harbor `Job` for `config` (a `JobConfig`) and return its result,
-    opening trio-asyncio's loop unless one is already open (see `wmo_trio.harbor.run_job`)."""
-    from wmo_trio.harbor import run_job
-
-    return await run_job(config)
