@@ -60,6 +60,13 @@ def test_the_closure_rejects_what_every_subset_holding_a_hypothesis_rejects() ->
     # batched rows give each row's answer
     rows = np.exp(rng.normal(2.0, 2.0, (50, 5)))
     assert closed_rejections(rows, 0.1).tolist() == [brute_force(r.tolist(), 0.1) for r in rows]
+    # The race looks only at the rows where some wealth has reached 1 / alpha: the same
+    # answer (rows far below it included).
+    rule = Elimination(80, 5, alpha=0.1)
+    rule.evidence.wealth = np.exp(rng.normal(1.0, 1.5, (80, 5)))
+    assert (rule.evidence.wealth < 10).all(axis=-1).any()
+    assert rule._rejections().tolist() == [brute_force(r.tolist(), 0.1)
+                                           for r in rule.evidence.wealth]
 
 
 def test_a_candidate_is_held_against_the_leader_the_leader_against_the_runner_up() -> None:

@@ -126,7 +126,8 @@ def comparators(sums: npt.ArrayLike, running: npt.ArrayLike) -> Floats:
     eye = np.eye(count, dtype=bool)
     others = np.where(eye, -np.inf, totals[..., np.newaxis, :])  # [..., j, c]: c != j
     top = np.max(others, axis=-1, keepdims=True)
-    leaders = (others == top) & np.isfinite(others)
+    # Equal up to the rounding of summed fractions (the means of -k attempts).
+    leaders = (others >= top - 1e-9) & np.isfinite(others)
     result: Floats = leaders / np.maximum(leaders.sum(axis=-1, keepdims=True), 1)
     return result
 
