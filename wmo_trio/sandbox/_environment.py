@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from harbor.environments.base import BaseEnvironment, ExecResult
@@ -27,7 +27,7 @@ from harbor.models.trial.paths import EnvironmentPaths
 from harbor.utils.path_filter import filter_paths_by_patterns
 
 from wmo_trio.sandbox import _transfer
-from wmo_trio.sandbox._cgroup import SERVICES, Limits, host_cgroups, remove_stale_cgroups
+from wmo_trio.sandbox._cgroup import Limits, host_cgroups, remove_stale_cgroups
 from wmo_trio.sandbox._dockerfile import DockerfileError
 from wmo_trio.sandbox._image import Image, ImageCache, ImageConfig, default_cache_dir
 from wmo_trio.sandbox._namespace import (
@@ -421,23 +421,16 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             log.flush()
 
         sandbox = self._require_sandbox()
-        services = sandbox.cgroup.services if sandbox.cgroup is not None else None
-        join = None
         try:
             with log:
-                if services is not None:
-                    join = os.open(services / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
                 completed = await sandbox.channel.run(
                     argv, env=self._base_env(), cwd=self._config.workdir or "/",
                     user=self._config.user, output_limit=0, callback=write,
-                    stream_limit=ENTRYPOINT_LOG_LIMIT, service=True, join=join,
+                    stream_limit=ENTRYPOINT_LOG_LIMIT,
                 )
                 self.logger.debug("the ENTRYPOINT exited with %d", completed.return_code)
         except Exception as error:  # the trial goes on, as a container whose main process died
             self.logger.warning("the ENTRYPOINT failed: %s", error)
-        finally:
-            if join is not None:
-                os.close(join)
 
     async def stop(self, delete: bool) -> None:
         """End every process of the trial; remove its upper directories unless
@@ -530,38 +523,6 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             return_code=completed.return_code,
         )
 
-    # ------------------------------------------------------------------ agent phase
-
-    async def prepare_logs_for_host(self) -> None:
-        """Harbor reads the agent's logs where they are mounted: the agent is done."""
-        await self._end_agent_processes()
-
-    async def _end_agent_processes(self) -> None:
-        """End every process of the trial but the ENTRYPOINT's services (and the
-        helper), before the verifier runs: nothing the agent started may change what
-        it checks.
-
-        Harbor 0.25 says nothing to an environment when an agent phase ends; the first
-        thing it does after one, in every kind of trial and whether the agent returned,
-        failed or timed out, is to read the agent's logs (``Trial._sync_agent_output``:
-        ``download_dir`` of ``/logs/agent``, or ``prepare_logs_for_host`` where they
-        are mounted), before it uploads the logs back, collects artifacts or starts a
-        verifier (tests/test_sandbox_agent_end.py holds harbor to that order). What the
-        agent started is every process outside the services' cgroup, wherever it went;
-        without cgroups, every process the ENTRYPOINT's sessions, ancestry and tag do
-        not claim.
-        """
-        sandbox = self._sandbox
-        if sandbox is None or sandbox.stopped:
-            return
-        services = sandbox.cgroup is not None and sandbox.cgroup.services is not None
-        try:
-            ended = await sandbox.channel.clear(f"/{SERVICES}" if services else None)
-        except ChannelClosed as error:
-            raise ChannelClosed(await sandbox.death()) from error
-        if ended:
-            self.logger.debug("ended %d process(es) the agent left running", ended)
-
     # ------------------------------------------------------------------ files
 
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
@@ -627,8 +588,6 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                         **options: Any) -> None:
         if self._never_started():  # nothing to copy, and nothing raised
             return
-        if PurePosixPath(source_dir) == EnvironmentPaths.agent_dir:
-            await self._end_agent_processes()  # the agent phase has ended: see there
         outcome = await _transfer.download_dir(self._require_sandbox().open_root, source_dir,
                                                Path(target_dir), self._transfer_limits,
                                                **options)
