@@ -29,6 +29,7 @@ from harbor.utils.path_filter import filter_paths_by_patterns
 from wmo_trio.sandbox import _transfer
 from wmo_trio.sandbox._cgroup import Limits, host_cgroups, remove_stale_cgroups
 from wmo_trio.sandbox._dockerfile import DockerfileError
+from wmo_trio.sandbox._hostfs import remove_tree
 from wmo_trio.sandbox._image import Image, ImageCache, ImageConfig, default_cache_dir
 from wmo_trio.sandbox._namespace import (
     DEFAULT_PATH,
@@ -38,7 +39,6 @@ from wmo_trio.sandbox._namespace import (
     default_state_root,
     missing_tools,
     remove_stale_states,
-    remove_tree,
     unavailable,
 )
 from wmo_trio.sandbox._processes import ChannelClosed, SpawnFailed

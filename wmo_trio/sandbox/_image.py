@@ -21,6 +21,7 @@ import glob
 import hashlib
 import io
 import json
+import logging
 import os
 import posixpath
 import re
@@ -43,13 +44,19 @@ from wmo_trio.sandbox._dockerfile import (
     expand,
     read,
 )
-from wmo_trio.sandbox._hostfs import FileTooLarge, read_beneath, remove_beneath
+from wmo_trio.sandbox._hostfs import (
+    FileTooLarge,
+    read_beneath,
+    remove_beneath,
+    remove_or_set_aside,
+    remove_tree,
+    tree_size,
+)
 from wmo_trio.sandbox._namespace import (
     DEFAULT_PATH,
     Sandbox,
     StateDir,
     remove_stale_states,
-    remove_tree,
     same_file,
 )
 from wmo_trio.sandbox._processes import Channel, Completed, SpawnFailed, wait_readable
@@ -285,7 +292,10 @@ class ImageCache:
                 meta = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
-            size = sum(entry.lstat().st_size for entry in image.rglob("*"))
+            try:
+                size = tree_size(image)  # a build may have left any tree there
+            except OSError:
+                size = 0
             found.append(CachedImage(key=image.name, path=image, task=str(meta.get("task", "")),
                                      size_bytes=size, built_at=path.stat().st_mtime,
                                      in_use=self._in_use(image.name)))
@@ -320,7 +330,7 @@ class ImageCache:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue
-                remove_tree(image.path)
+                remove_or_set_aside(image.path, logging.getLogger(__name__))
                 (self.images / f"{image.key}.lock").unlink(missing_ok=True)
                 removed.append(image)
             finally:
@@ -353,7 +363,7 @@ def _commit(state: StateDir, layer: Path, target: Path, record: dict[str, Any]) 
     layer.rename(staging / "layer")
     (staging / "image.json").write_text(json.dumps(record, indent=2))
     if target.exists():
-        remove_tree(target)
+        remove_or_set_aside(target, logging.getLogger(__name__))
     staging.rename(target)
 
 
