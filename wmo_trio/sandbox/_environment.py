@@ -148,6 +148,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         self._started = False  # a sandbox ran, whether or not it still does
         self._said_not_started = False
         self._image: Image | None = None
+        self._host: HostLayers | None = None  # held (leased) from start to stop
         self._config = ImageConfig()
         self._shell = "sh"
         self._entrypoint_task: asyncio.Task[None] | None = None
@@ -279,7 +280,12 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         reason = missing_tools()
         if reason is not None:
             raise unavailable(reason)
-        host = await asyncio.to_thread(self._sweep_and_find_layers)
+        finding = asyncio.ensure_future(asyncio.to_thread(self._sweep_and_find_layers))
+        try:
+            host = await asyncio.shield(finding)
+        except asyncio.CancelledError:  # the thread goes on: its lease is let go after it
+            finding.add_done_callback(_release_found)
+            raise
         image: Image | None = None
         state: StateDir | None = None
         try:
@@ -306,7 +312,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                 network=self._network, hostname=hostname, binds=binds, etc_files=etc,
                 limits=limits, shm_bytes=self._shm_bytes(limits),
             )
-            self._image = image
+            self._image, self._host = image, host
             self._started = True
             await self._prepare()
         except BaseException:
@@ -317,7 +323,8 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                 await asyncio.to_thread(state.remove)
             if image is not None:
                 image.release()
-            self._image = None
+            host.release()
+            self._image = self._host = None
             raise
         await self._upload_environment_dir_after_start()
 
@@ -443,7 +450,10 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         """
         sandbox, self._sandbox = self._sandbox, None
         image, self._image = self._image, None
+        host, self._host = self._host, None
         if sandbox is None:
+            if host is not None:
+                host.release()
             return
         try:
             await sandbox.stop(linger=delete)
@@ -464,6 +474,8 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                 await asyncio.to_thread(sandbox.finish)
             if image is not None:
                 image.release()
+            if host is not None:
+                host.release()
 
     def _require_sandbox(self) -> Sandbox:
         if self._sandbox is None:
@@ -595,6 +607,11 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         if warning is not None:
             self.logger.warning(warning)
         outcome.check()
+
+
+def _release_found(finding: asyncio.Future[HostLayers]) -> None:
+    if not finding.cancelled() and finding.exception() is None:
+        finding.result().release()
 
 
 def _positive(name: str, value: float | str | None, default: float) -> float:

@@ -60,9 +60,9 @@ from wmo_trio.sandbox._namespace import (
     same_file,
 )
 from wmo_trio.sandbox._processes import Channel, Completed, SpawnFailed, wait_readable
-from wmo_trio.sandbox._rootfs import HostLayers
+from wmo_trio.sandbox._rootfs import HostLayers, prune_host_layers
 
-__all__ = ["BuildError", "Image", "ImageCache", "ImageConfig", "default_cache_dir"]
+__all__ = ["BuildError", "Image", "ImageCache", "ImageConfig", "Pruned", "default_cache_dir"]
 
 FORMAT_VERSION = 1
 LOCK_POLL_SEC = 0.05
@@ -132,6 +132,17 @@ class CachedImage:
     size_bytes: int
     built_at: float
     in_use: bool
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """What a prune removed, and what it kept because a trial or a build (of any job,
+    in any process) holds it."""
+
+    removed: list[CachedImage] = field(default_factory=list)
+    images_in_use: list[CachedImage] = field(default_factory=list)
+    layers_removed: list[Path] = field(default_factory=list)
+    layers_in_use: list[Path] = field(default_factory=list)
 
 
 def _context_digest(context: Path) -> str:
@@ -314,10 +325,11 @@ class ImageCache:
         finally:
             os.close(fd)
 
-    def prune(self, older_than_sec: float | None = None) -> list[CachedImage]:
+    def prune(self, older_than_sec: float | None = None) -> Pruned:
         """Remove images no trial uses (last used before ``older_than_sec`` ago, when
-        given) and leftovers of interrupted builds; the removed images."""
-        removed = []
+        given), the host's layers no trial or build holds, and leftovers of interrupted
+        builds; what was removed and what was kept in use."""
+        pruned = Pruned()
         self.remove_leftovers()
         for leftover in self.images.glob(".new-*"):  # staged by earlier versions
             remove_tree(leftover)
@@ -329,15 +341,17 @@ class ImageCache:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
+                    pruned.images_in_use.append(image)
                     continue
                 remove_or_set_aside(image.path, logging.getLogger(__name__))
                 (self.images / f"{image.key}.lock").unlink(missing_ok=True)
-                removed.append(image)
+                pruned.removed.append(image)
             finally:
                 os.close(fd)
-        for stale in self.root.glob("host/*"):
-            remove_tree(stale)  # rebuilt on next use in a few milliseconds
-        return removed
+        layers_removed, layers_in_use = prune_host_layers(self.root)
+        pruned.layers_removed.extend(layers_removed)
+        pruned.layers_in_use.extend(layers_in_use)
+        return pruned
 
 
 def _drop_network_files(upper: Path) -> None:
