@@ -73,9 +73,11 @@ def _leftovers_task(tasks: Path, way: str, detached: int, in_flight: int) -> Pat
         printf 'Hello from wmo_trio\\n' > /app/greeting.txt
         """) + (f"sleep {in_flight}\n" if way == "timed-out" else ""))
     if way == "timed-out":
+        # Its daemons must have started before the timeout: a bound far above what a
+        # busy machine needs for two processes (the trial waits it out in full).
         toml = (task / "task.toml").read_text()
         (task / "task.toml").write_text(
-            toml.replace("[agent]\ntimeout_sec = 60.0", "[agent]\ntimeout_sec = 10.0"))
+            toml.replace("[agent]\ntimeout_sec = 60.0", "[agent]\ntimeout_sec = 30.0"))
     (task / "tests" / "test.sh").write_text(textwrap.dedent(f"""\
         #!/bin/sh
         mkdir -p /logs/verifier
