@@ -84,9 +84,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks --docs
+	$(PY) -m benchmarks.race
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick
+	$(PY) -m benchmarks.race --quick
 
 soak: $(STAMP)
 	$(PY) -m benchmarks.soak

@@ -5,10 +5,13 @@ Two measurements:
 - ``start_stop``: environment ``start`` + ``stop(delete=True)`` for N sequential trials
   of the hello-file task (no exec in between), median and p90, with the task's image
   already built; the first trial, which builds the image into an empty cache, is
-  reported on its own. Beside it, the floor under a start on this machine: bubblewrap
-  with nothing to set up (``bwrap --ro-bind / / true``), bubblewrap making a sandbox's
-  namespaces around ``true``, and the sandbox's ``python3 -I -S`` starting and exiting,
-  with the load average (the machine is shared).
+  reported on its own. Interleaved with them, the same task's trials with
+  ``storage_mb = 10240`` (the figure harbor's task template sets), whose writes go to a
+  filesystem of that size made at their start (``wmo_trio.sandbox._storage``). Beside
+  it, the floor under a start on this machine: bubblewrap with nothing to set up
+  (``bwrap --ro-bind / / true``), bubblewrap making a sandbox's namespaces around
+  ``true``, and the sandbox's ``python3 -I -S`` starting and exiting, with the load
+  average (the machine is shared).
 - ``job``: the wall time of an oracle job of hello-file trials run through harbor's own
   ``Job`` API, with the phase durations harbor records in each trial's result
   (environment setup, agent execution, verifier, and the remainder, which includes
@@ -50,6 +53,9 @@ def _summary(samples_sec: list[float]) -> dict[str, float]:
     }
 
 
+STORAGE_MB = 10240
+
+
 async def _start_stop(n_trials: int, scratch: Path) -> dict[str, Any]:
     from harbor.models.task.config import EnvironmentConfig
     from harbor.models.trial.paths import TrialPaths
@@ -57,43 +63,53 @@ async def _start_stop(n_trials: int, scratch: Path) -> dict[str, Any]:
     from wmo_trio.harbor import LocalEnvironment
     from wmo_trio.sandbox._namespace import wait_for_removals
 
-    start_sec: list[float] = []
-    stop_sec: list[float] = []
-    total_sec: list[float] = []
+    variants: dict[str, int | None] = {"plain": None, "storage": STORAGE_MB}
+    samples = {name: {"start": [], "stop": [], "total": []} for name in variants}
     first_build_sec = 0.0
+    # The first storage trial also finds out, once per process, whether the machine can
+    # make such filesystems: like the first build, it is not a sample.
     for index in range(n_trials + 1):
-        trial_paths = TrialPaths(scratch / f"trial-{index}")
-        trial_paths.mkdir()
-        environment = LocalEnvironment(
-            environment_dir=TASK / "environment",
-            environment_name=TASK.name,
-            session_id=f"bench-{index}__env",
-            trial_paths=trial_paths,
-            task_env_config=EnvironmentConfig(),
-            state_dir=scratch / "state",
-            cache_dir=scratch / "cache",
-        )
-        began = time.perf_counter()
-        await environment.start(force_build=False)
-        started = time.perf_counter()
-        await environment.stop(delete=True)
-        stopped = time.perf_counter()
-        if index == 0:  # built the image into the empty cache
-            first_build_sec = stopped - began
-            continue
-        start_sec.append(started - began)
-        stop_sec.append(stopped - started)
-        total_sec.append(stopped - began)
+        for name, storage_mb in variants.items():
+            trial_paths = TrialPaths(scratch / f"trial-{name}-{index}")
+            trial_paths.mkdir()
+            environment = LocalEnvironment(
+                environment_dir=TASK / "environment",
+                environment_name=TASK.name,
+                session_id=f"bench-{name}-{index}__env",
+                trial_paths=trial_paths,
+                task_env_config=EnvironmentConfig(storage_mb=storage_mb),
+                state_dir=scratch / "state",
+                cache_dir=scratch / "cache",
+            )
+            began = time.perf_counter()
+            await environment.start(force_build=False)
+            started = time.perf_counter()
+            await environment.stop(delete=True)
+            stopped = time.perf_counter()
+            if index == 0:
+                if name == "plain":  # built the image into the empty cache
+                    first_build_sec = stopped - began
+                continue
+            samples[name]["start"].append(started - began)
+            samples[name]["stop"].append(stopped - started)
+            samples[name]["total"].append(stopped - began)
     # A stop leaves the trial's files to a thread of their own: the last ones still go.
     began = time.perf_counter()
     await asyncio.to_thread(wait_for_removals)
+    plain, storage = samples["plain"], samples["storage"]
     return {
         "n_trials": n_trials,
         "load_average_1min": round(os.getloadavg()[0], 2),
         "first_build_start_plus_stop_ms": round(first_build_sec * 1000, 1),
-        "start_plus_stop": _summary(total_sec),
-        "start": _summary(start_sec),
-        "stop": _summary(stop_sec),
+        "start_plus_stop": _summary(plain["total"]),
+        "start": _summary(plain["start"]),
+        "stop": _summary(plain["stop"]),
+        "with_storage_mb": {
+            "storage_mb": STORAGE_MB,
+            "start_plus_stop": _summary(storage["total"]),
+            "start": _summary(storage["start"]),
+            "stop": _summary(storage["stop"]),
+        },
         "last_removal_wait_ms": round((time.perf_counter() - began) * 1000, 1),
     }
 
@@ -201,6 +217,8 @@ def run(quick: bool, smoke: bool = False) -> dict[str, Any]:
         "start_stop_p90_ms": start_stop["start_plus_stop"]["p90_ms"],
         "start_median_ms": start_stop["start"]["median_ms"],
         "stop_median_ms": start_stop["stop"]["median_ms"],
+        "storage_mb_start_stop_median_ms":
+            start_stop["with_storage_mb"]["start_plus_stop"]["median_ms"],
         "floor_bwrap_namespaces_median_ms": floor["bwrap_namespaces_true"]["median_ms"],
         "floor_python3_median_ms": floor["python3_I_S_pass"]["median_ms"],
         "first_build_start_stop_ms": start_stop["first_build_start_plus_stop_ms"],

@@ -21,6 +21,25 @@ def command_lines() -> list[str]:
     return rows
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (its children, theirs, ...)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = Path(f"/proc/{name}/stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(name))
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found += children.get(current, [])
+        pending += children.get(current, [])
+    return found
+
+
 def running(fragment: str) -> bool:
     return any(fragment in row for row in command_lines())
 

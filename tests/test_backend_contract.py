@@ -177,6 +177,10 @@ REFUSED = {
     "a tool name that is not text": (
         'kit._channel.execute(7, {}, None, None)',
         "field 'tool' must be str, got int"),
+    "tool arguments nested past the bound": (
+        'deep = {}\n            for _ in range(300):\n                deep = {"a": deep}\n'
+        '            kit._channel.execute("bash", {"command": "true", "deep": deep}, None, None)',
+        "a request's values nest deeper than 64 levels"),
     "a flood of message steps": (
         'for _ in range(1_000_000):\n    '
         '            kit._channel.step({"kind": "message", "content": "spam"}, {"content": "spam"})',

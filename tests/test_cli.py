@@ -297,8 +297,16 @@ def test_every_refusal_comes_before_harbor_loads(tmp_path: Path) -> None:
     (tmp_path / "no-tasks").mkdir()
     (tmp_path / "jobs" / "taken").mkdir(parents=True)
     cases = {
-        "-n 0": ({"concurrency": 0}, "-n and -k must be at least 1"),
-        "-k 0": ({"attempts": 0}, "-n and -k must be at least 1"),
+        "-n 0": ({"concurrency": 0}, "-n (--n-concurrent) must be at least 1, got 0"),
+        "-k -1": ({"attempts": -1}, "-k (--n-attempts) must be at least 1, got -1"),
+        # Named by the -m given, not by the agent's provider_config the user never wrote.
+        "an unknown scripted model": ({"model": "scripted/online"},
+                                      "-m scripted/online: scripted model 'online' does not "
+                                      "exist"),
+        # Before: "model_name (-m) must be 'anthropic/offline'", of a -m never given.
+        "a kind in --provider-config": ({"provider_settings": {"kind": "anthropic"}},
+                                        "--provider-config names the provider's kind, which -m "
+                                        "gives (now scripted/offline)"),
         "--command-timeout": ({"command_timeout_sec": 241},
                               "command_timeout_sec must be an integer in [1, 240], got 241"),
         "--episode-timeout": ({"episode_timeout_sec": 0.0},

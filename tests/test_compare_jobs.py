@@ -38,6 +38,8 @@ PAGE = ROOT / "docs" / "compare.md"
 # The page's example and the comparison rows it shows of its output.
 [EXAMPLE] = [b for b in blocks(PAGE) if b.lang == "sh" and "wmo-trio compare" in b.body]
 [SHOWN] = [b for b in all_blocks(PAGE) if b.lang == "" and b.body.startswith("┃ candidate")]
+# The page's Python over the example's jobs.
+[FROM_PYTHON] = [b for b in blocks(PAGE) if b.lang == "python" and "compare_jobs(" in b.body]
 # The example runs the baseline twice per task, for its pass@2; a candidate compared with
 # it once is enough, as a task's score is the mean of its attempts and the offline policy
 # ends every attempt of a task alike.
@@ -173,6 +175,14 @@ def test_the_docs_example_prints_the_comparison_rows_it_shows(
 
 
 @pytest.mark.harbor
+def test_the_docs_python_runs_over_the_examples_jobs(example: Example,
+                                                      jobs: dict[str, Path]) -> None:
+    completed = run_as_written(FROM_PYTHON, example.clone)
+    assert completed.stdout.startswith(("adopt ", "keep the baseline")), completed.stdout
+    assert (example.clone / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.harbor
 def test_trials_are_grouped_by_doc_hash_wherever_their_job_lives(
     jobs: dict[str, Path], tmp_path: Path,
 ) -> None:
@@ -216,9 +226,18 @@ def test_the_trace_names_the_candidate_when_the_result_does_not(
         trace.write_text(json.dumps({**json.loads(trace.read_text()),
                                      "doc_hash": doc_hash("harness-terse")}))
     assert {r.candidate for r in load_jobs([copy])} == {doc_hash("harness-terse")}
-    # With neither, the trials are another agent's: harbor's name, model and arguments.
+    # With neither, harbor's records of the trial name it: its configuration, its lock.
     for trace in copy.glob("*/agent/wmo-run.json"):
         trace.unlink()
+    assert {r.candidate for r in load_jobs([copy])} == {doc_hash("harness-terse")}
+    for result_file in copy.glob("*/result.json"):
+        result = TrialResult.model_validate_json(result_file.read_text())
+        del result.config.agent.kwargs["doc_hash"]
+        result_file.write_text(result.model_dump_json())
+    assert {r.candidate for r in load_jobs([copy])} == {doc_hash("harness-terse")}
+    # With none of them, the trials are another agent's: harbor's name, model and arguments.
+    for lock in copy.glob("*/lock.json"):
+        lock.unlink()
     (key,) = {r.candidate for r in load_jobs([copy])}
     assert key.startswith("wmo_trio.harbor:WmoTrioHarborAgent/scripted/offline#")
 
@@ -253,7 +272,7 @@ def test_the_command_prints_tables_json_and_a_plot(example: Example, jobs: dict[
     report = json.loads(as_json.stdout)
     assert set(report) == {"schema_version", "settings", "candidates", "comparisons"}
     assert report["settings"] == {"confidence": 0.95, "resamples": 10_000, "seed": 0,
-                                  "missing_as_zero": False}
+                                  "missing_as_zero": False, "pool_models": False}
     assert {"doc_hash", "name", "trials", "tasks", "mean_reward", "ci_low", "ci_high",
             "pass_at_k", "timeouts", "exceptions", "unscored", "input_tokens",
             "output_tokens", "mean_agent_seconds", "per_task"} <= set(report["candidates"][0])

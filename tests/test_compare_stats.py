@@ -253,7 +253,8 @@ def test_the_table_says_which_tasks_were_left_out_and_why() -> None:
     shown = console.export_text()
     assert "b: not scored on t2 (baseline only); left out of the comparison" in shown
     assert "b: one paired task; no interval can be had from one" in shown
-    assert "b: 1 trial(s) without a reward, left out (--missing-as-zero counts them as 0)" in shown
+    assert ("b: 1 trial(s) without a reward (RuntimeError 1), left out (--missing-as-zero "
+            "counts them as 0)") in shown
 
 
 def test_a_reward_that_is_not_a_finite_number_is_refused_or_unscored() -> None:

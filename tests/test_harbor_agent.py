@@ -1019,6 +1019,23 @@ def test_an_unknown_argument_is_refused_naming_it_and_the_closest_known_one(tmp_
     assert "\n" not in message
 
 
+def test_a_provider_config_that_is_broken_json_says_so_and_where(tmp_path: Path) -> None:
+    # harbor's --ak hands on a value that is not JSON as text; before: "got str".
+    message = refused(tmp_path, "provider_config",
+                      provider_config='{"kind": "scripted", "model": "offline"')
+    assert "is not valid JSON: Expecting ',' delimiter at line 1 column 40" in message
+
+
+def test_an_unknown_argument_is_never_offered_harbors_options_the_agent_refuses(
+    tmp_path: Path,
+) -> None:
+    message = refused(tmp_path, "bas_url", bas_url="http://localhost:8000")
+    # Before: "did you mean base_url?", which is then refused; and the docs name none of them.
+    for hidden in ("base_url", "disable_web_search", "reasoning_effort"):
+        assert hidden not in message
+    assert "known: command_timeout_sec, context_window" in message
+
+
 def test_the_agent_declares_the_documented_arguments_as_harbors_options_model() -> None:
     # harbor validates an agent's options_model at preflight and shows it as the agent's
     # schema (`harbor agents schema`); docs/agent.md's table lists the same arguments.

@@ -240,6 +240,9 @@ ARGUMENT_ERRORS: dict[str, tuple[tuple[str, ...], str, str]] = {
                    "did you mean episode_timeout_sec?"),
     "other-document": (("--ak", "doc_hash=0123456789abcdef0123456789abcdef"), "scripted/offline",
                        "doc_hash"),
+    # Before: "must be a JSON object with kind and model, got str".
+    "broken-json": (("--ak", 'provider_config={"kind": "scripted", "model": "offline"'),
+                    "scripted/offline", "provider_config: is not valid JSON"),
 }
 
 

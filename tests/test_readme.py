@@ -1,8 +1,8 @@
 """The README and docs/ are tested, not trusted: every command a user would paste runs here,
 and every link leads somewhere.
 
-Blocks fenced as ```sh run as one bash script each, blocks fenced as ```python with the
-project's interpreter, all in a scratch directory that holds what a fresh clone holds
+Blocks fenced as ```sh run as one bash script each, blocks fenced as ```python or ```py
+with the project's interpreter, all in a scratch directory that holds what a fresh clone holds
 after `make demo` (the virtualenv and the example files, linked). A block that cannot run
 offline or in a test (it needs an API key, or is the setup command itself) is preceded by
 `<!-- readme-test: skip: <why> -->`, and the reason is required; a block a test file runs
@@ -77,9 +77,13 @@ def all_blocks(file: Path) -> list[Block]:
     return found
 
 
+# The fences of the blocks that run: a shell block, and Python under either name.
+RUN_AS = {"sh": "sh", "python": "python", "py": "python"}
+
+
 def blocks(file: Path = README) -> list[Block]:
-    """The blocks of `file` that are run: ```sh and ```python."""
-    return [block for block in all_blocks(file) if block.lang in ("sh", "python")]
+    """The blocks of `file` that are run: ```sh, ```python and ```py."""
+    return [block for block in all_blocks(file) if block.lang in RUN_AS]
 
 
 def test_the_readme_has_blocks_to_run_and_says_why_it_skips_any() -> None:
@@ -87,6 +91,15 @@ def test_the_readme_has_blocks_to_run_and_says_why_it_skips_any() -> None:
     assert sum(block.skip is None for block in found) >= 4
     for block in found:
         assert block.skip is None or block.skip.strip(), f"{block.where}: skipped with no reason"
+
+
+def test_every_python_block_of_the_docs_runs() -> None:
+    """```py ran nowhere: docs/compare.md's first one failed as written (`Path` never
+    imported)."""
+    python = [block for file in documents() for block in all_blocks(file)
+              if block.lang in ("py", "python")]
+    assert len(python) >= 4
+    assert [block.where for block in python if block not in blocks(block.file)] == []
 
 
 # A skip's reason that names the test file which runs the block instead.
@@ -112,7 +125,7 @@ def test_every_command_in_the_docs_stands_in_a_block_that_runs(file: Path) -> No
     tested, and breaks unseen: `wmo-trio sandbox images` stood indented, without the
     `.venv/bin/` every other command has, and failed when pasted."""
     for block in all_blocks(file):
-        if block.lang in ("sh", "python"):
+        if block.lang in RUN_AS:
             continue
         commands = [line for line in block.body.splitlines() if _COMMAND.match(line)]
         assert not commands, (f"{block.where}: {commands[0].strip()!r} is a command in a block "
@@ -294,7 +307,7 @@ def run_as_written(block: Block, clone: Path, telemetry: bool = False,
         environment["HARBOR_TELEMETRY"] = "0"
     # The telemetry event, where it is on, goes to a closed port.
     environment["HTTPS_PROXY"] = environment["https_proxy"] = "http://127.0.0.1:9"
-    if block.lang == "sh":
+    if RUN_AS[block.lang] == "sh":
         argv = ["bash", "-euo", "pipefail", "-c", block.body]
     else:
         argv = [str(clone / ".venv" / "bin" / "python"), "-c", block.body]

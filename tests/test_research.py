@@ -18,8 +18,8 @@ import wmo_trio
 from wmo_trio import EpisodeSpec, LocalProcessEnvironment
 from wmo_trio.episode.environment import CommandResult
 from wmo_trio.harness import HarnessError, parse_harness
-from wmo_trio.models import StopReason
-from wmo_trio.trace import parse_trace
+from wmo_trio.models import Action, ActionKind, Observation, Step, StopReason
+from wmo_trio.trace import CUT, FinishedTrace, parse_trace, trace_text, write_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = {"name": "r", "surfaces": [{"id": "prompt:core", "kind": "prompt", "content": "go"}]}
@@ -47,6 +47,32 @@ async def test_a_pool_runs_an_episode_and_writes_its_trace(tmp_path: Path) -> No
     assert (trace.task_id, trace.doc_hash, trace.model) == expected
     assert trace.started_at is not None and trace.ended_at is not None
     assert trace.started_at <= trace.steps[0].started_at <= trace.ended_at  # type: ignore[operator]
+
+
+def test_a_trace_too_deep_to_serialise_whole_is_written_reduced_and_says_so(
+        tmp_path: Path) -> None:
+    """Arguments 300 levels deep (past pydantic-core's 255) once left a trial without its
+    wmo-run.json; now what lies deeper than the trace keeps is cut, and the trace says so."""
+    deep: dict[str, Any] = {}
+    for _ in range(300):
+        deep = {"a": deep}
+    step = Step(action=Action(kind=ActionKind.TOOL_CALL, name="bash",
+                              arguments={"command": "true", "deep": deep}),
+                observation=Observation(content="done", metadata={"deep": deep}))
+    trace = FinishedTrace(task_id="t", steps=[step], stop_reason=StopReason.ERROR, turns=1)
+
+    written = parse_trace(write_trace(tmp_path, trace).read_text())
+
+    assert written.reduced is not None and "nested deeper than 32 levels" in written.reduced
+    arguments = written.steps[0].action.arguments
+    assert arguments is not None and arguments["command"] == "true"
+    kept, levels = arguments["deep"], 2  # the arguments, then "deep"
+    while kept != CUT:
+        kept, levels = kept["a"], levels + 1
+    assert levels == 33
+    assert written.steps[0].observation.content == "done"
+    whole = json.loads(trace_text(trace.model_copy(update={"steps": []})))
+    assert "reduced" not in whole  # only a reduced trace says so
 
 
 async def test_fan_out_delivers_every_result_and_errors_as_outcomes(tmp_path: Path) -> None:

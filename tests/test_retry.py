@@ -135,7 +135,7 @@ def test_a_very_late_attempt_waits_at_most_max_delay() -> None:
 
 
 def test_settings_are_read_and_checked() -> None:
-    provider = build_provider({"kind": "scripted", "model": "s", "retry": {
+    provider = build_provider({"kind": "scripted", "model": "offline", "retry": {
         "max_attempts": 2, "base_delay_s": 0.5, "retry_after_cap_s": 1}})
     assert isinstance(provider, RetryingProvider)
     policy = provider.policy

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from test_local_environment import (
+    REPO,
     TASKS,
     make_environment,
     pytestmark,
@@ -36,7 +37,7 @@ def outputs_in(tmp_path: Path, dockerfile: str, *commands: str) -> list[str]:
     """What each command prints (stdout and stderr) in a trial of the image built from
     ``dockerfile``."""
     context = tmp_path / "environment"
-    context.mkdir()
+    context.mkdir(exist_ok=True)
     (context / "Dockerfile").write_text(textwrap.dedent(dockerfile).replace("\\t", "\t"))
     outputs: list[str] = []
 
@@ -235,6 +236,43 @@ def test_an_installed_package_leaves_no_manual_page_index_to_rebuild(tmp_path: P
                       f"test -e {MAN_DB_AUTO_UPDATE} || echo absent") == ["absent\n"]
 
 
+# Prints the `sleep 9876xx` processes alive, by command line, once there are at least as
+# many as its argument (a minute at most: a daemon's exec may lag its start).
+LIVE_DAEMONS = """\
+import glob, sys, time
+deadline = time.monotonic() + 60
+while True:
+    found = []
+    for path in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            line = open(path, "rb").read()
+        except OSError:
+            continue
+        if line.startswith(b"sleep\\x009876"):
+            found.append(line.split(b"\\x00")[1].decode())
+    if len(found) >= int(sys.argv[1]) or time.monotonic() > deadline:
+        print(sorted(found))
+        break
+    time.sleep(0.01)
+"""
+
+
+def test_no_process_a_run_step_started_is_alive_in_the_next_step(tmp_path: Path) -> None:
+    """As under Docker, where each step is a container of its own: daemons however
+    detached (setsid, nohup, a double fork, setsid with a cleared environment)."""
+    (tmp_path / "environment").mkdir()
+    (tmp_path / "environment" / "daemons.py").write_text(LIVE_DAEMONS)
+    assert outputs_in(tmp_path, """\
+        FROM debian:bookworm-slim
+        COPY daemons.py /daemons.py
+        RUN setsid -f sleep 987601; nohup sleep 987602 >/dev/null 2>&1 & \\
+            (sleep 987603 </dev/null >/dev/null 2>&1 &); \\
+            env -i setsid -f sh -c '(sleep 987604 &)' </dev/null >/dev/null 2>&1; \\
+            python3 /daemons.py 4 > /started
+        RUN python3 /daemons.py 0 > /left
+        """, "cat /started /left") == ["['987601', '987602', '987603', '987604']\n[]\n"]
+
+
 # ---------------------------------------------------------------------- what the host lacks
 
 
@@ -249,6 +287,27 @@ def test_a_language_version_the_host_lacks_is_named_with_its_stand_in() -> None:
     assert stand_in_notice("python:3.11-slim", host) is None
     assert stand_in_notice("python:3", host) is None
     assert stand_in_notice("ubuntu:24.04", host) is None
+
+
+@pytest.mark.parametrize("base", [
+    "public.ecr.aws/docker/library/node:22", "mirror.gcr.io/library/node:22-slim",
+    "index.docker.io/library/node:22", "registry-1.docker.io/node:22@sha256:" + "0" * 64,
+])
+def test_an_official_image_behind_a_mirror_of_dockers_library_is_named_as_the_library(
+    base: str,
+) -> None:
+    notice = stand_in_notice(base, {"nodejs": "20.19.0-1nodesource1"})
+    assert notice is not None and f"FROM {base}:" in notice and "Node.js 20.19.0" in notice
+
+
+@pytest.mark.parametrize("base", [
+    "public.ecr.aws/someone/node:22", "mirror.gcr.io/someone/node:22", "ghcr.io/library/node:22",
+    "quay.io/node:22",
+])
+def test_an_image_of_another_namespace_or_registry_is_not_taken_for_the_library(
+    base: str,
+) -> None:
+    assert stand_in_notice(base, {"nodejs": "20.19.0-1nodesource1"}) is None
 
 
 def warnings_of_a_start(tmp_path: Path, dockerfile: str, caplog: Any) -> list[str]:
@@ -305,6 +364,19 @@ def test_a_failed_build_leaves_one_line_for_the_log_download_not_a_traceback(
     output = completed.stdout + completed.stderr
     assert "Traceback" not in output, output
     assert "did not start" in output
+
+
+def test_a_compose_task_is_refused_as_the_docs_say_with_what_to_use_instead(
+    tmp_path: Path,
+) -> None:
+    context = tmp_path / "environment"
+    shutil.copytree(TASKS / "hello-file" / "environment", context)
+    (context / "docker-compose.yaml").write_text("services:\n  main:\n    build: .\n")
+    with pytest.raises(ValueError, match="Docker Compose") as refusal:
+        make_environment(tmp_path, context)
+    docs = " ".join((REPO / "docs" / "sandbox.md").read_text().split())
+    assert str(refusal.value).rstrip(".") in docs
+    assert "Docker Compose tasks are refused" in docs
 
 
 @pytest.mark.harbor

@@ -34,7 +34,7 @@ from test_local_environment import (
 )
 
 from wmo_trio.harbor import LocalEnvironment
-from wmo_trio.sandbox import _environment
+from wmo_trio.sandbox import _environment, _storage
 from wmo_trio.sandbox._cgroup import (
     PREFIX,
     HostCgroups,
@@ -433,18 +433,35 @@ class TestProcessAndMemoryFaults:
         run(scenario)
 
 
-def test_storage_mb_is_said_once_per_task_to_be_unenforced(
+def test_storage_mb_where_it_cannot_be_held_is_said_once_per_task_to_be_unenforced(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # A machine without loop devices; the probe itself is tested in test_sandbox_storage.
     monkeypatch.setattr(_environment, "_WARNED_UNENFORCED", set())
+    monkeypatch.setattr(_storage, "problem", lambda: "this machine offers no loop devices")
     config = EnvironmentConfig(storage_mb=512)
     with caplog.at_level(logging.WARNING):
         for _ in range(2):
-            limits = make_environment(tmp_path, config=config)._limits()
+            limits, storage_bytes = make_environment(tmp_path, config=config)._limits()
     warnings = [r.getMessage() for r in caplog.records if "not enforced" in r.getMessage()]
     assert len(warnings) == 1, warnings
-    assert "storage_mb=512" in warnings[0] and "no disk quota" in warnings[0]
+    assert "storage_mb=512" in warnings[0] and "no loop devices" in warnings[0]
+    assert storage_bytes is None
     assert limits.pids == (1024 if HOST.offers("pids") else None)
+
+
+def test_storage_mb_is_a_ceiling_where_it_can_be_held_and_must_be_positive(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_environment, "_WARNED_UNENFORCED", set())
+    monkeypatch.setattr(_storage, "problem", lambda: None)
+    with caplog.at_level(logging.WARNING):
+        _, storage_bytes = make_environment(
+            tmp_path, config=EnvironmentConfig(storage_mb=512))._limits()
+    assert storage_bytes == 512 << 20
+    assert not [r for r in caplog.records if "storage_mb" in r.getMessage()]
+    with pytest.raises(ValueError, match="storage_mb must be a positive number of MiB"):
+        make_environment(tmp_path, config=EnvironmentConfig(storage_mb=0))._limits()
 
 
 @pytest.mark.harbor

@@ -5,6 +5,7 @@ the log directories, a 2 GiB sparse log, a build that links resolv.conf to /proc
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
@@ -95,6 +96,13 @@ def hostile_tasks(root: Path) -> dict[str, Any]:
 
     _task(tasks, "kmsg-resolv", "",
           dockerfile_extra="RUN ln -sf /proc/kmsg /etc/resolv.conf\n")
+
+    # Reward files harbor would parse as 1.0 (a number, then spaces), 4 MiB each.
+    spaces = "head -c 4194304 /dev/zero | tr '\\0' ' '"
+    _task(tasks, "huge-reward-txt", "",
+          test_after=f"{spaces} >> /logs/verifier/reward.txt\n")
+    _task(tasks, "huge-reward-json", "", test_after=(
+        f"{{ printf '{{\"reward\": 1.0}}'; {spaces}; }} > /logs/verifier/reward.json\n"))
 
     return {"host_dir": host_dir, "secret": secret, "secret_file": secret_file,
             "seconds": seconds, "tasks": tasks}
@@ -193,6 +201,52 @@ def test_a_download_past_its_time_limit_ends_the_trial_with_the_error(tmp_path: 
     exception = (tmp_path / "jobs" / "job" / result["trial_name"] / "exception.txt").read_text()
     assert "download of /logs/verifier" in exception
     assert "time limit of 1e-09 s" in exception and "--ek download_timeout_sec=N" in exception
+
+
+@pytest.mark.harbor
+@pytest.mark.parametrize("task", ["huge-reward-txt", "huge-reward-json"])
+def test_a_reward_file_past_its_bound_is_not_copied_and_scores_as_a_bad_one(
+    hostile_job: dict[str, Any], task: str,
+) -> None:
+    """harbor reads a reward file whole: a 4 MiB one, which it would score 1.0, reaches
+    it as a short text saying why, and the trial ends with harbor's error for a reward
+    file it cannot parse (a failed verifier, not retried), not a lost trial."""
+    result = hostile_job["results"][task]
+    assert reward(result) is None
+    assert result["exception_info"]["exception_type"] == "VerifierOutputParseError"
+    name = "reward.json" if task.endswith("json") else "reward.txt"
+    written = (_trial_dir(hostile_job, task) / "verifier" / name).read_text()
+    assert len(written) < 1024 and f"/logs/verifier/{name} holds more than 1 MiB" in written
+    if name == "reward.json":  # harbor's own message names the text
+        assert "holds more than 1 MiB (4,194,319 bytes)" in result["exception_info"][
+            "exception_message"]
+    log = (_trial_dir(hostile_job, task) / "trial.log").read_text()
+    assert f"/logs/verifier/{name} holds more than 1 MiB" in log
+
+
+def test_reward_files_follow_links_in_their_directory_only_and_not_past_a_mib(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        async with running(make_environment(tmp_path)) as environment:
+            made = await environment.exec(
+                "cd /logs/verifier && mkdir -p sub && echo 0.5 > sub/real.txt && "
+                "ln -s sub/real.txt reward.txt && truncate -s 1G reward.json")
+            assert made.return_code == 0, made.stderr
+            target = tmp_path / "linked"
+            await environment.download_dir("/logs/verifier", target)
+            assert not (target / "reward.txt").is_symlink()
+            assert (target / "reward.txt").read_text() == "0.5\n"
+            said = json.loads((target / "reward.json").read_text())
+            assert isinstance(said, str) and "(1,073,741,824 bytes)" in said
+            await environment.exec("cd /logs/verifier && rm reward.* && "
+                                   "ln -s /etc/hostname reward.txt && mkfifo reward.json")
+            target = tmp_path / "out"
+            await environment.download_dir("/logs/verifier", target)
+            assert not os.path.lexists(target / "reward.txt")
+            assert "is not a regular file" in json.loads((target / "reward.json").read_text())
+
+    run(scenario)
 
 
 # ---------------------------------------------------------------------- harbor's other copies

@@ -145,6 +145,16 @@ def test_unknown_settings_are_refused() -> None:
         build_provider({"kind": "scripted", "model": "s", "scirpt": []})
 
 
+def test_a_scripted_model_that_does_not_exist_is_refused_naming_offline() -> None:
+    # Before: scripted/online ran the offline policy, and its trace said scripted/online.
+    with pytest.raises(ProviderConfigError) as error:
+        build_provider({"kind": "scripted", "model": "online"})
+    assert "scripted model 'online' does not exist" in str(error.value)
+    assert "'offline'" in str(error.value)
+    # A script's or a recording's replies may go by any name.
+    build_provider({"kind": "scripted", "model": "weak", "script": [{"text": "hi"}]}).close()
+
+
 def test_an_unknown_kind_names_the_known_kinds() -> None:
     with pytest.raises(ProviderConfigError) as error:
         build_provider({"kind": "openia", "model": "x"})

@@ -10,6 +10,7 @@ job machinery, and the agent (`wmo_trio.harbor.WmoTrioHarborAgent`) makes the sa
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Self
 
@@ -53,6 +54,14 @@ def _document(value: object) -> HarnessDoc:
 def _provider_config(value: object) -> ProviderConfig:
     if value is None:
         raise not_given()
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        # harbor's --ak passes a value that does not parse as JSON on as text.
+        try:
+            json.loads(value)
+        except json.JSONDecodeError as error:
+            raise refused(f"is not valid JSON: {error.msg} at line {error.lineno} column "
+                          f"{error.colno} (character {error.pos}); give a JSON object such as "
+                          '{"kind": "scripted", "model": "offline"}') from None
     if not isinstance(value, dict):
         raise refused(f"must be a JSON object with kind and model, got {type(value).__name__}")
     try:
@@ -71,6 +80,11 @@ class AgentArguments(AgentOptions, EpisodeSettings, BackendChoice):  # type: ign
 
     model_config = ConfigDict(strict=True, frozen=True, extra="forbid", coerce_numbers_to_str=False)
     settings_noun: ClassVar[str] = "agent argument"
+    # harbor's options for every agent (its --base-url and --effort fill two): wmo_trio
+    # refuses base_url and reasoning_effort (provider_config holds a provider's settings)
+    # and has no web tools to disable, so an unknown argument's hint never offers them.
+    settings_not_offered: ClassVar[frozenset[str]] = frozenset(
+        {"base_url", "disable_web_search", "reasoning_effort"})
 
     harness: Annotated[HarnessDoc, BeforeValidator(_document)] = Field(
         description="a harness document (a JSON object, JSON text or the path of a JSON file)")

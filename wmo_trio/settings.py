@@ -144,7 +144,9 @@ def _settings_problem(model: type[BaseModel], item: ErrorDetails, name: str,
 def _unknown(name: str, given: str, owner: type[BaseModel] | None) -> str:
     """An unknown name, with the known name closest to it (a misspelling is the usual
     cause) and the others."""
-    known = sorted(owner.model_fields) if owner is not None else []
+    # A model may keep fields it inherits, and refuses or ignores, out of what it offers.
+    hidden: frozenset[str] = getattr(owner, "settings_not_offered", frozenset())
+    known = sorted(set(owner.model_fields) - hidden) if owner is not None else []
     closest = difflib.get_close_matches(given, known, n=1, cutoff=0.6)
     hint = f" (did you mean {closest[0]}?)" if closest else ""
     noun = getattr(owner, "settings_noun", "setting")

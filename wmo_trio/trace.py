@@ -16,6 +16,9 @@ transcripts is not an option. The partial stop reasons:
 (harbor's ATIF `trajectory.json` is written by the harbor agent, `wmo_trio.harbor`.)
 
 Files are written to a temporary name and renamed, so a reader never sees half a trace.
+No input stops a trace from being written: one whose values cannot be serialised whole
+(nested past the serializer's depth, say) is written reduced, its `reduced` field saying
+what was cut.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import outcome
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, NonNegativeInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from wmo_trio.models import JsonObject, RunResult, Step, StopReason, TokenUsage, count_tool_steps
 from wmo_trio.text import valid_text
@@ -41,6 +45,10 @@ TRACE_FILENAME = "wmo-run.json"
 CANCELLED_BY_HARBOR_TIMEOUT = "cancelled-by-harbor-timeout"
 CANCELLED_BY_HARBOR = "cancelled-by-harbor"
 CANCELLED_BY_CALLER = "cancelled-by-caller"
+# How deep a reduced trace keeps the values of its steps (and its task id), in levels of
+# objects and arrays: pydantic-core's serializer stops at 255, the trace's own among them.
+REDUCED_NESTING = 32
+CUT = "<cut: nested deeper than the trace keeps>"
 
 
 class TraceIdentity(BaseModel):
@@ -66,6 +74,8 @@ class _Transcript(TraceIdentity):
     steps: list[Step]
     answer: str = ""
     worker_usage: TokenUsage | None = None
+    # Only in a trace that could not be written whole: what was cut, and why.
+    reduced: str | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class FinishedTrace(_Transcript):
@@ -162,8 +172,76 @@ def write_trace(directory: str | Path, trace: Trace) -> Path:
 
 
 def trace_text(trace: Trace) -> str:
-    """The text of a `wmo-run.json`."""
-    return json_text(trace.model_dump(mode="json"))
+    """The text of a `wmo-run.json`: the whole trace, or where that cannot be serialised,
+    the trace reduced (:func:`reduced`)."""
+    try:
+        data = trace.model_dump(mode="json")
+    except ValueError as error:  # pydantic-core's serialization errors are ValueErrors
+        try:
+            data = reduced(trace, error, REDUCED_NESTING).model_dump(mode="json")
+        except ValueError:  # not for want of depth: the steps' values go altogether
+            data = reduced(trace, error, 0).model_dump(mode="json")
+    return json_text(data)
+
+
+def reduced(trace: Trace, error: Exception, depth: int) -> Trace:
+    """``trace`` with each object or array in its steps' arguments and metadata (and
+    its task id) nested deeper than ``depth`` levels replaced by `CUT` (``depth`` 0:
+    the arguments and metadata left out), and its `reduced` field saying so and why the
+    whole could not be written."""
+    steps = [step.model_copy(update={
+        "action": step.action.model_copy(
+            update={"arguments": _cut(step.action.arguments, depth) if depth else None}),
+        "observation": step.observation.model_copy(
+            update={"metadata": _cut(step.observation.metadata, depth) if depth else {}}),
+    }) for step in trace.steps]
+    what = (f"values nested deeper than {depth} levels were cut" if depth else
+            "the tool calls' arguments and the observations' metadata were left out")
+    return trace.model_copy(update={
+        "steps": steps, "task_id": _cut(trace.task_id, max(depth, 1)),
+        "reduced": f"{what}: the whole trace could not be serialised ({error})"})
+
+
+def nesting(value: object, limit: int) -> int:
+    """How many levels of dicts, lists and tuples ``value`` holds (a scalar none, ``{}``
+    one), counted without recursion and at most to ``limit + 1``."""
+    deepest = 0
+    pending: list[tuple[object, int]] = [(value, 0)]
+    while pending:
+        current, level = pending.pop()
+        if isinstance(current, dict):
+            children: Iterable[object] = current.values()
+        elif isinstance(current, list | tuple):
+            children = current
+        else:
+            continue
+        deepest = max(deepest, level + 1)
+        if deepest > limit:
+            return deepest
+        pending.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _cut(value: Any, depth: int) -> Any:
+    """``value`` copied (without recursion) with each dict, list or tuple nested deeper
+    than ``depth`` (>= 1) levels replaced by `CUT`."""
+    if nesting(value, depth) <= depth:
+        return value
+    holder: list[Any] = [None]
+    pending: list[tuple[Any, Any, Any, int]] = [(holder, 0, value, 1)]
+    while pending:
+        parent, key, current, level = pending.pop()
+        if not isinstance(current, dict | list | tuple):
+            parent[key] = current
+        elif level > depth:
+            parent[key] = CUT
+        elif isinstance(current, dict):
+            parent[key] = copied = dict.fromkeys(current)
+            pending.extend((copied, name, item, level + 1) for name, item in current.items())
+        else:
+            parent[key] = listed = [None] * len(current)
+            pending.extend((listed, index, item, level + 1) for index, item in enumerate(current))
+    return holder[0]
 
 
 def json_text(data: Any) -> str:

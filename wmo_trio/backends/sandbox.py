@@ -11,23 +11,20 @@ each tool call with the episode's environment (any harbor environment: the comma
 run in this sandbox), counts every budget, records every step, and ends the episode by
 killing the sandbox.
 
-What the runner gets (see `runner_arguments`):
+What the runner gets: a trial sandbox's profile (`wmo_trio.sandbox.TRIAL_PROFILE`: its
+`/proc` and `/sys` masks, its system-call filter, a keyring of its own, a new session,
+death with the thread that started it, a cgroup with its ceilings), tightened as
+`RUNNER_PROFILE` says, and:
 
 - a root of its own: an empty tmpfs, read-only, holding only the Python runtime that runs
   the runner (the interpreter, its standard library without site-packages, the shared
-  libraries they load), each read-only at its own path; a fresh `/proc` (its writable
-  corners read-only, the kernel keyring lists masked) and a minimal `/dev`; a private
-  `/tmp` (a tmpfs within the memory ceiling). No `/etc`, no home, no shell, no host
-  tree. Smaller than the docker-free environment's overlay root on purpose: a program
-  needs Python and nothing else, and every file left out is one it cannot read;
-- every namespace bubblewrap offers (user, PID, IPC, UTS, network with only a loopback
-  of its own, cgroup), an empty environment, a new session, no capability; the trial
-  sandboxes' system-call filter (Docker's default profile: `wmo_trio.sandbox._seccomp`)
-  and a session keyring of its own;
-- a cgroup of its own (`wmo_trio.sandbox._cgroup.TrialCgroup`, where this machine offers
-  cgroups): ceilings on CPUs, memory and processes (`SandboxSettings`);
-- death with the thread that started it (bubblewrap's `--die-with-parent`), and a kill
-  at abort, close, the wall-clock budget, and any frame that breaks the protocol.
+  libraries they load), each read-only at its own path; a private `/tmp` (a tmpfs within
+  the memory ceiling). No `/etc`, no home, no shell, no host tree. Smaller than the
+  docker-free environment's overlay root on purpose: a program needs Python and nothing
+  else, and every file left out is one it cannot read;
+- ceilings on CPUs, memory and processes (`SandboxSettings`), where this machine offers
+  cgroups;
+- a kill at abort, close, the wall-clock budget, and any frame that breaks the protocol.
 
 Start latency: a runner starts before its episode is known (`python3 -I -S portable.py -`,
 the spec arriving as the first frame), so a small pool of ready runners per process
@@ -56,7 +53,7 @@ import sys
 import sysconfig
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Annotated, Any, Self
 
@@ -77,9 +74,16 @@ from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, episode_spe
 from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import RunResult, StopReason
 from wmo_trio.providers.base import Provider
-from wmo_trio.sandbox._cgroup import Limits, TrialCgroup, host_cgroups
-from wmo_trio.sandbox._namespace import hardening_arguments
-from wmo_trio.sandbox._seccomp import filter_fd, filter_problem
+from wmo_trio.sandbox import (
+    TRIAL_PROFILE,
+    Bind,
+    Limits,
+    Profile,
+    TrialCgroup,
+    bwrap_argv,
+    launch_argv,
+    profile_problem,
+)
 from wmo_trio.settings import Settings
 
 __all__ = ["SandboxRuntime", "SandboxSettings", "sandbox_problem"]
@@ -87,9 +91,12 @@ __all__ = ["SandboxRuntime", "SandboxSettings", "sandbox_problem"]
 log = logging.getLogger("wmo_trio.backends.sandbox")
 
 RUNNER_SOURCE = resources.files("wmo_trio.episode").joinpath("portable.py").read_bytes()
-# Files of /proc that list what the host holds; Docker masks them too.
-MASKED_PROC = ("/proc/keys", "/proc/key-users", "/proc/timer_list", "/proc/sched_debug",
-               "/proc/kcore")
+# A trial's sandbox, tightened: a user namespace besides, no capability, no variable (it
+# runs one interpreter by its path), and bubblewrap's reaper as PID 1 (the runner is a
+# program like any other). Its /tmp, sized by the memory ceiling, and its cgroup's
+# ceilings come from the settings (`SandboxSettings.profile`).
+RUNNER_PROFILE = replace(TRIAL_PROFILE, namespaces=TRIAL_PROFILE.namespaces | {"user"},
+                         capabilities=(), environment=(), command_is_pid_1=False)
 _CHUNK = 1 << 16
 _STDERR_TAIL_CHARS = 2000
 # How long a runner whose frame stream ended may take to exit before it is killed.
@@ -114,8 +121,10 @@ class SandboxSettings(Settings):
     pool_size: Annotated[int, Field(ge=0, le=64, description="an integer in [0, 64]")] = 4
 
     @property
-    def limits(self) -> Limits:
-        return Limits(cpus=self.cpus, memory_mb=self.memory_mb, pids=self.pids)
+    def profile(self) -> Profile:
+        """The runner's sandbox under these settings."""
+        return replace(RUNNER_PROFILE, tmp_bytes=self.memory_mb << 20,
+                       limits=Limits(cpus=self.cpus, memory_mb=self.memory_mb, pids=self.pids))
 
 
 class _Once[T]:
@@ -189,29 +198,6 @@ def python_runtime() -> PythonRuntime:
     return PythonRuntime(interpreter, tuple(binds), masked)
 
 
-def runner_arguments(runtime: PythonRuntime, script_fd: int, seccomp_fd: int,
-                     memory_mb: int) -> list[str]:
-    """bubblewrap's command line for one runner (see the module docstring): the script is
-    read from `script_fd`, the system-call filter from `seccomp_fd`, the episode from its
-    stdin."""
-    arguments = [
-        "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
-        "--seccomp", str(seccomp_fd), *hardening_arguments(()),
-        "--proc", "/proc", "--dev", "/dev",
-        "--size", str(memory_mb << 20), "--tmpfs", "/tmp",
-    ]
-    for path in MASKED_PROC:
-        if os.path.exists(path):  # the sandbox's /proc has what the host's has
-            arguments += ["--ro-bind", "/dev/null", path]
-    for source, target in runtime.binds:
-        arguments += ["--ro-bind", source, target]
-    for directory in runtime.masked:
-        arguments += ["--tmpfs", directory, "--remount-ro", directory]
-    arguments += ["--remount-ro", "/", "--chdir", "/tmp",
-                  runtime.interpreter, "-I", "-S", f"/proc/self/fd/{script_fd}", "-"]
-    return arguments
-
-
 @_Once
 def _runner_script() -> int:
     """A sealed in-memory file holding `portable.py`, passed to every runner by number."""
@@ -234,7 +220,7 @@ def sandbox_problem() -> str | None:
         return "bubblewrap (bwrap) is not on PATH: install it (Debian: apt-get install bubblewrap)"
     if shutil.which("keyctl") is None:
         return "keyctl is not on PATH: install it (Debian: apt-get install keyutils)"
-    problem = filter_problem(())
+    problem = profile_problem(RUNNER_PROFILE)
     if problem is not None:
         return f"its system-call filter cannot be built: {problem}"
     try:
@@ -242,7 +228,7 @@ def sandbox_problem() -> str | None:
     except (OSError, subprocess.SubprocessError) as error:
         return f"the Python runtime for the sandbox cannot be found: {error}"
     try:
-        runner = _Runner.start(runtime, None, SandboxSettings().memory_mb)
+        runner = _Runner.start(runtime, replace(SandboxSettings().profile, limits=Limits()))
     except OSError as error:
         return f"bubblewrap could not be started: {error}"
     with runner:
@@ -266,7 +252,7 @@ class _Runner:
     """
 
     def __init__(self, process: subprocess.Popen[bytes], cgroup: TrialCgroup | None,
-                 memory_mb: int) -> None:
+                 memory_mb: int | None) -> None:
         self.process = process
         self.cgroup = cgroup
         self.memory_mb = memory_mb
@@ -287,31 +273,30 @@ class _Runner:
         self._lock = threading.Lock()
 
     @classmethod
-    def start(cls, runtime: PythonRuntime, limits: Limits | None, memory_mb: int) -> _Runner:
-        """Start one runner; its cgroup (with `limits`, where this machine offers one) is
-        joined before bubblewrap starts, so every process of the sandbox is in it."""
+    def start(cls, runtime: PythonRuntime, profile: Profile) -> _Runner:
+        """Start one runner in a sandbox of `profile`; its cgroup (where this machine
+        offers one) is joined before bubblewrap starts, so every process of the sandbox
+        is in it. The script is read from a descriptor, the episode from stdin."""
         script = _runner_script()
-        cgroup = TrialCgroup.create(limits) if limits is not None else None
-        joins = "".join(f"echo $$ > '{path}' && " for path in (cgroup.procs_files if cgroup else ()))
-        seccomp = -1
+        cgroup = TrialCgroup.create(profile.limits)
         try:
-            seccomp = filter_fd(())
-            # A session keyring of its own (as every trial sandbox has), then bubblewrap.
-            process = subprocess.Popen(
-                ["/bin/sh", "-c", joins + 'exec keyctl session - "$@"', "sh",
-                 *runner_arguments(runtime, script, seccomp, memory_mb)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(script, seccomp),
-                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, start_new_session=True,
-            )
+            with contextlib.ExitStack() as descriptors:
+                bwrap, inherited = bwrap_argv(
+                    profile, descriptors, hostname="sandbox", chdir="/tmp",
+                    binds=[Bind(source, target, read_only=True) for source, target in runtime.binds],
+                    hidden=runtime.masked,
+                    command=[runtime.interpreter, "-I", "-S", f"/proc/self/fd/{script}", "-"])
+                process = subprocess.Popen(
+                    launch_argv(bwrap, cgroup_procs=cgroup.procs_files if cgroup else ()),
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    pass_fds=(script, *inherited),
+                    env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, start_new_session=True,
+                )
         except BaseException:
             if cgroup is not None:
                 cgroup.remove(patience=0.0)
             raise
-        finally:
-            if seccomp >= 0:
-                os.close(seccomp)
-        return cls(process, cgroup, memory_mb)
+        return cls(process, cgroup, profile.limits.memory_mb)
 
     def greeted(self, timeout: float) -> str | None:
         """Wait for the runner's first line (kept for `next`); None when it came, else what
@@ -476,9 +461,8 @@ def _start_runner(runtime: PythonRuntime, settings: SandboxSettings,
     """A started runner that said hello; `started` is told of it as soon as it exists (to
     be killed or woken while it starts). A start that lost the kernel's race for a new
     network namespace's loopback (bubblewrap 0.8, concurrent starts) is tried again."""
-    limits = settings.limits if host_cgroups().hierarchies else None
     for attempt in range(_LAUNCH_ATTEMPTS):
-        runner = _Runner.start(runtime, limits, settings.memory_mb)
+        runner = _Runner.start(runtime, settings.profile)
         started(runner)
         problem = runner.greeted(_START_TIMEOUT_S)
         if problem is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -118,25 +119,21 @@ def run(
     from rich.live import Live
     from rich.spinner import Spinner
 
+    from wmo_trio.cli._interrupt import INTERRUPTED, only_interrupts
     from wmo_trio.cli._run import (
         BadInput,
+        JobInterrupted,
         RunOptions,
         build_job_config,
         examples_dir,
+        interrupted_line,
         run_with_progress,
         scan_job,
         summary_line,
         summary_table,
     )
 
-    settings: dict[str, Any] = {}
-    if provider_config:
-        try:
-            settings = json.loads(provider_config)
-        except json.JSONDecodeError as error:
-            raise fail(f"--provider-config is not JSON: {error.msg}") from None
-        if not isinstance(settings, dict):
-            raise fail("--provider-config must be a JSON object")
+    settings = _provider_settings(provider_config)
     options = RunOptions(
         paths=path or [examples_dir() / "tasks"], concurrency=concurrency, attempts=attempts,
         jobs_dir=jobs_dir, job_name=job_name, environment=environment, harness=harness,
@@ -152,19 +149,122 @@ def run(
             config = build_job_config(options)
         except BadInput as error:
             refused = error
+        except KeyboardInterrupt:
+            raise fail("interrupted before the job started", INTERRUPTED) from None
+    if refused is not None:
+        raise fail(str(refused))
+    import trio
+
+    job_dir = Path(config.jobs_dir) / str(config.job_name)
+    try:
+        trio.run(run_with_progress, config, console)
+    except JobInterrupted:
+        raise fail(interrupted_line(job_dir), INTERRUPTED) from None
+    except Exception as error:  # the job itself broke: infrastructure, not the candidate
+        raise fail(f"the job failed: {type(error).__name__}: {error}",
+                   INFRASTRUCTURE_FAILURE) from error
+    except BaseException as error:
+        # Ctrl-C in the instants before the job's signal handling starts or after it ends.
+        if not only_interrupts(error):
+            raise
+        raise fail(interrupted_line(job_dir), INTERRUPTED) from None
+    try:
+        rows = scan_job(job_dir)
+        console.print(summary_table(rows, title=f"wmo-trio run: job {job_dir.name}"))
+        console.print(summary_line(rows), highlight=False, soft_wrap=True)
+        console.print(f"job directory: {job_dir.resolve()}", highlight=False, soft_wrap=True)
+    except KeyboardInterrupt:
+        raise fail(interrupted_line(job_dir), INTERRUPTED) from None
+
+
+@app.command(cls=Command)
+def race(
+    harness: Annotated[list[Path], typer.Option(
+        "--harness", help="A candidate harness document (JSON); repeat for each candidate.")],
+    path: Annotated[list[Path] | None, typer.Option(
+        "-p", "--path", help="A harbor task directory or a directory of tasks (repeatable). "
+        "Default: the bundled example tasks.")] = None,
+    baseline: Annotated[Path | None, typer.Option(
+        "--baseline", help="The incumbent's document: each candidate stops as soon as it is "
+        "shown better or worse than it.")] = None,
+    alpha: Annotated[float, typer.Option(
+        "--alpha", help="The chance of any wrong verdict in the whole race, however often "
+        "it looks.")] = 0.05,
+    max_trials: Annotated[int | None, typer.Option(
+        "--max-trials", help="Stop before running more trials than this.")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the task order.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    concurrency: Annotated[int, typer.Option("-n", "--n-concurrent",
+                                             help="Trials run at once.")] = 4,
+    attempts: Annotated[int, typer.Option("-k", "--n-attempts", help="Attempts per task.")] = 1,
+    jobs_dir: Annotated[Path, typer.Option("-o", "--jobs-dir", help="Where job directories go.")]
+    = Path("jobs"),
+    job_name: Annotated[str | None, typer.Option(
+        "--job-name", help="The job directory's name under --jobs-dir. Default: the start "
+        "time.")] = None,
+    environment: Annotated[str | None, typer.Option(
+        "-e", "--env", help="A harbor environment type or import path (as for run).")] = None,
+    model: Annotated[str, typer.Option(
+        "-m", "--model", help="kind/model, as for run.")] = "scripted/offline",
+    provider_config: Annotated[str | None, typer.Option(
+        "--provider-config", help="Extra provider settings as a JSON object.")] = None,
+    backend: Annotated[str | None, typer.Option(
+        "--backend", help="Where a document's program runs: local, e2b or sandbox.")] = None,
+) -> None:
+    """Race candidates on the same tasks in rounds; drop each as soon as it is shown worse.
+
+    Every trial is an ordinary harbor trial in one job directory (compare, trace and
+    harbor's viewer read it), with the race's state in its race.json. See docs/race.md.
+    """
+    from rich.live import Live
+    from rich.spinner import Spinner
+
+    from wmo_trio.cli._race import build_race, run_with_display, standings_table, summary_lines
+    from wmo_trio.cli._run import BadInput, RunOptions, examples_dir
+
+    options = RunOptions(
+        paths=path or [examples_dir() / "tasks"], concurrency=concurrency, attempts=attempts,
+        jobs_dir=jobs_dir, job_name=job_name, environment=environment, model=model,
+        provider_settings=_provider_settings(provider_config), backend=backend)
+    refused: BadInput | None = None
+    with Live(Spinner("dots", "loading harbor, checking the options and the documents …"),
+              console=errors, transient=True):
+        try:
+            plan = build_race(options, harness, baseline=baseline, alpha=alpha,
+                              max_trials=max_trials, seed=seed)
+        except BadInput as error:
+            refused = error
     if refused is not None:
         raise fail(str(refused))
     import trio
 
     try:
-        job_dir = trio.run(run_with_progress, config, console)
-    except Exception as error:  # the job itself broke: infrastructure, not the candidate
-        raise fail(f"the job failed: {type(error).__name__}: {error}",
+        report = trio.run(run_with_display, plan, None if as_json else console)
+    except KeyboardInterrupt:
+        raise fail(f"interrupted; {plan.job_dir.resolve()} reads as the race so far "
+                   "(race.json)", 130) from None
+    except Exception as error:  # the race itself broke: infrastructure, not a candidate
+        raise fail(f"the race failed: {type(error).__name__}: {error}",
                    INFRASTRUCTURE_FAILURE) from error
-    rows = scan_job(job_dir)
-    console.print(summary_table(rows, title=f"wmo-trio run: job {job_dir.name}"))
-    console.print(summary_line(rows), highlight=False, soft_wrap=True)
-    console.print(f"job directory: {job_dir.resolve()}", highlight=False, soft_wrap=True)
+    if as_json:
+        sys.stdout.write(report.model_dump_json(indent=2) + "\n")
+        return
+    console.print(standings_table(report, f"wmo-trio race: job {plan.job_dir.name}"))
+    for line in summary_lines(report):
+        console.print(line, highlight=False, soft_wrap=True, markup=False)
+    console.print(f"job directory: {plan.job_dir.resolve()}", highlight=False, soft_wrap=True)
+
+
+def _provider_settings(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise fail(f"--provider-config is not JSON: {error.msg}") from None
+    if not isinstance(settings, dict):
+        raise fail("--provider-config must be a JSON object")
+    return settings
 
 
 @app.command(cls=Command)
@@ -251,17 +351,29 @@ CacheDir = Annotated[Path | None, typer.Option(
 
 @sandbox_app.command("images", cls=Command)
 def sandbox_images(cache_dir: CacheDir = None) -> None:
-    """List the built task images: key, task, size, last use, whether a trial uses it."""
+    """List the built task images: key, task, size, last use, whether a trial uses it, and
+    who built it for which job: every job run with the cache shares it."""
     from datetime import datetime
 
+    from rich.table import Table
+
+    from wmo_trio.cli._text import visible
     from wmo_trio.sandbox import ImageCache, default_cache_dir
 
     cache = ImageCache(cache_dir or default_cache_dir())
+    table = Table(box=None, show_edge=False, pad_edge=False)
+    for column in ("image", "task", "size", "last used", "in use", "built by, for job"):
+        # Only the last column wraps (a job's path): the others stay in line.
+        table.add_column(column, justify="right" if column == "size" else "left",
+                         no_wrap=column != "built by, for job", overflow="fold")
     for image in cache.entries():
         used = datetime.fromtimestamp(image.built_at).strftime("%Y-%m-%d %H:%M")
-        console.print(f"{image.key}  {image.task:<32} {image.size_bytes / 2**20:8.1f} MiB  "
-                      f"last used {used}{'  in use' if image.in_use else ''}", highlight=False)
-    console.print(f"cache: {cache.root}", highlight=False)
+        built_by = f"{image.user}, {image.job}" if image.user else "-"
+        table.add_row(image.key, visible(image.task), f"{image.size_bytes / 2**20:.1f} MiB",
+                      used, "yes" if image.in_use else "", visible(built_by))
+    console.print(table, highlight=False)
+    console.print(f"cache: {cache.root} (shared: every job run with it, whoever runs it, builds "
+                  "and reuses its images here)", highlight=False, soft_wrap=True)
 
 
 @sandbox_app.command("prune", cls=Command)
@@ -296,4 +408,10 @@ def main() -> None:
     # harbor imports litellm, which otherwise tries to download a model cost map at import
     # and stalls for seconds on a machine without internet access.
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    app()
+    try:
+        app()
+    finally:
+        # The interpreter may still wait for threads as it exits (a sandbox's directories
+        # being removed): a Ctrl-C then ends it as SIGINT ends a process, not with a
+        # traceback of threading's shutdown.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)

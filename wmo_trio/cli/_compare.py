@@ -20,11 +20,15 @@ def _fail(message: str) -> typer.Exit:
 
 def compare(
     job_dirs: Annotated[list[Path], typer.Argument(
-        help="harbor job directories; their trials are grouped by candidate (doc_hash), "
-        "whichever job holds them.")],
+        help="harbor job directories, or directories of them; their trials are grouped by "
+        "candidate (doc_hash and model), whichever job holds them.")],
     baseline: Annotated[str | None, typer.Option(
         "--baseline", help="The doc_hash (or its start, or another agent's key) to compare "
-        "against. Default: the first job's candidate.")] = None,
+        "against, @model to pick one of its models. Default: the first job's candidate with "
+        "a scored trial.")] = None,
+    pool_models: Annotated[bool, typer.Option(
+        "--pool-models", help="One candidate per document whatever model ran it (default: "
+        "one per document and model).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     plot_file: Annotated[Path | None, typer.Option(
         "--plot", help="Also draw the per-task rewards and the differences to this PNG.")]
@@ -46,7 +50,7 @@ def compare(
         raise _fail(f"--plot {plot_file}: give a file name ending in .png")
     try:
         report = compare_jobs(job_dirs, baseline=baseline, missing_as_zero=missing_as_zero,
-                              seed=seed)
+                              seed=seed, pool_models=pool_models)
     except CompareError as error:
         raise _fail(str(error)) from None
     if plot_file is not None:

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -86,6 +86,11 @@ def agent_kwargs(options: RunOptions) -> dict[str, Any]:
     if not slash or not kind or not model:
         raise BadInput(f"model {options.model!r} must be kind/model, e.g. {DEFAULT_MODEL}, "
                        "anthropic/claude-sonnet-4-5 or openai/<model>")
+    named = sorted({"kind", "model"} & options.provider_settings.keys())
+    if named:
+        raise BadInput(f"--provider-config names the provider's {' and '.join(named)}, which "
+                       f"-m gives (now {options.model}): pass -m <kind>/<model>, e.g. -m "
+                       "anthropic/claude-sonnet-4-5, and only its settings in --provider-config")
     from wmo_trio.agent_arguments import parse_arguments, provider_for
 
     harness = options.harness or examples_dir() / "harness.json"
@@ -102,8 +107,19 @@ def agent_kwargs(options: RunOptions) -> dict[str, Any]:
         # Built only to be checked, as each trial's agent builds its own.
         provider_for(parse_arguments(kwargs), options.model).close()
     except ValueError as error:
-        raise BadInput(str(error)) from None
+        raise BadInput(_named_by_flag(str(error), options)) from None
     return kwargs
+
+
+def _named_by_flag(message: str, options: RunOptions) -> str:
+    """An agent argument's refusal, its `provider_config:` prefix named as this command's
+    user gave it: by -m alone when they passed no --provider-config (the scripted
+    model's check says `provider_config: scripted model 'online' does not exist`)."""
+    argument, colon, rest = message.partition(": ")
+    if colon and argument == "provider_config":
+        given = "--provider-config" if options.provider_settings else f"-m {options.model}"
+        return f"{given}: {rest}"
+    return message
 
 
 def _environment(name: str | None) -> dict[str, Any]:
@@ -140,8 +156,10 @@ def build_job_config(options: RunOptions) -> Any:
     at once, before a job directory exists."""
     tasks, datasets = _task_paths(options.paths)
     kwargs = agent_kwargs(options)
-    if options.concurrency < 1 or options.attempts < 1:
-        raise BadInput("-n and -k must be at least 1")
+    for flag, value in (("-n (--n-concurrent)", options.concurrency),
+                        ("-k (--n-attempts)", options.attempts)):
+        if value < 1:
+            raise BadInput(f"{flag} must be at least 1, got {value}")
     environment = _environment(options.environment)
     name = options.job_name or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
     if (options.jobs_dir / name).exists():
@@ -257,6 +275,7 @@ class JobProgress:
     stage: str = "creating the job: harbor's checks, the agent's preflight"
     phases: dict[str, str] = field(default_factory=dict)
     finished: dict[str, TrialRow] = field(default_factory=dict)
+    interrupted: bool = False
 
     def watch(self, job: Any) -> None:
         """Register on a harbor `Job` (before it runs) the hooks that keep this current."""
@@ -288,7 +307,12 @@ class JobProgress:
             f"{sum(rewards) / len(rewards):.3f}" if rewards else "-",
             f"{sum(r.tokens or 0 for r in done):,}",
         )
-        return Group(table, Text(self.status(), style="dim"))
+        status = Text(self.status(), style="dim")
+        if not self.interrupted:
+            return Group(table, status)
+        return Group(table, status, Text("interrupted: cancelling the trials, each running agent "
+                                         "writes its trace (Ctrl-C again to leave at once)",
+                                         style="yellow"))
 
     def status(self) -> str:
         """One line on what the job is doing now, so a quiet start is never a mystery."""
@@ -338,20 +362,41 @@ def count_trials(config: Any) -> int:
     return tasks * int(config.n_attempts)
 
 
+class JobInterrupted(Exception):
+    """The job was cancelled by Ctrl-C (or SIGTERM) and has ended: its trials are cancelled,
+    each with its trace, and its result.json has its finished_at."""
+
+    def __init__(self, job_dir: Path) -> None:
+        super().__init__(f"interrupted: {job_dir}")
+        self.job_dir = job_dir
+
+
 async def run_with_progress(config: Any, console: Console) -> Path:
     """Run the job on the trio host, showing live progress; returns the job directory.
+    Raises `JobInterrupted` once the job has ended after a Ctrl-C (a second one ends the
+    process at once, exit code 130).
 
     The display is transient: when the job ends it is cleared, and the caller prints the
     summary once. harbor's own bar is kept off the terminal meanwhile."""
     import trio
 
-    from wmo_trio.harbor._job import harbor_progress_hidden, run_job
+    from wmo_trio.cli._interrupt import cancelled_on_interrupt, leave_now
+    from wmo_trio.harbor._job import harbor_progress_hidden, record_interrupted_end, run_job
 
     job_dir = Path(config.jobs_dir) / str(config.job_name)
     progress = JobProgress(count_trials(config))
     with harbor_progress_hidden(), Live(progress.render(), console=console,
                                         refresh_per_second=4, transient=True) as live:
-        async with trio.open_nursery() as nursery:
+        def on_first() -> None:
+            progress.interrupted = True
+            live.update(progress.render())
+
+        def leave() -> NoReturn:
+            live.stop()
+            leave_now(job_dir)
+
+        async with cancelled_on_interrupt(on_first, leave) as interrupt, \
+                trio.open_nursery() as nursery:
             async def show() -> None:
                 while True:
                     live.update(progress.render())
@@ -360,4 +405,22 @@ async def run_with_progress(config: Any, console: Console) -> Path:
             nursery.start_soon(show)
             await run_job(config, on_create=progress.watch)
             nursery.cancel_scope.cancel()
+    if interrupt.received:
+        record_interrupted_end(job_dir)
+        raise JobInterrupted(job_dir)
     return job_dir
+
+
+def interrupted_line(job_dir: Path) -> str:
+    """The one line `wmo-trio run` ends with after a Ctrl-C: how far the job got, where it is."""
+    rows = scan_job(job_dir)
+    cancelled = [r for r in rows if r.exception == "CancelledError"]
+    done = sum(r.done for r in rows) - len(cancelled)
+    count = f"{done} trial{'' if done == 1 else 's'} finished"
+    if cancelled:
+        traced = sum((job_dir / r.name / "agent" / "wmo-run.json").is_file() for r in cancelled)
+        count += f", {len(cancelled)} cancelled " + (
+            "(each with its trace)" if traced == len(cancelled) else
+            "(before their agent ran: no trace)" if traced == 0 else
+            f"({traced} with a trace, the others before their agent ran)")
+    return f"interrupted: {count}; job directory: {job_dir.resolve()}"

@@ -5,8 +5,9 @@
     for c in report.comparisons:
         print(c.candidate, c.mean_difference, c.ci_low, c.ci_high, c.p_value)
 
-Trials are grouped by candidate (a document's `doc_hash`; for another harbor agent its
-name, model and arguments), paired by task (name and content digest) with attempts
+Trials are grouped by candidate (a document's `doc_hash` and the model it ran with, or
+the document alone with `pool_models`; for another harbor agent its name, model and
+arguments), paired by task (name and content digest) with attempts
 averaged per task. Research-API episodes become records with `record_from_run` and go
 through `compare` the same way. `Report` is the JSON of `wmo-trio compare --json`; its
 shape is described in docs/compare.md.

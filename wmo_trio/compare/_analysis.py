@@ -7,7 +7,7 @@ times weighs what a task run once does; every statistic is over tasks.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +22,10 @@ MIN_RESAMPLES = 10_000
 _TIE = 1e-12
 
 
+# A candidate: a document's hash (or another agent's key) and its model, None when pooled.
+Key = tuple[str, str | None]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -31,6 +35,8 @@ class Settings(_Model):
     resamples: int
     seed: int
     missing_as_zero: bool
+    pool_models: bool = Field(default=False, description="a document's trials with every "
+                              "model are one candidate (else one per model)")
 
 
 class TaskScore(_Model):
@@ -46,6 +52,10 @@ class CandidateSummary(_Model):
     doc_hash: str = Field(description="the group key: a document's doc_hash, or agent/model"
                                       "[#arguments] for another harbor agent")
     name: str
+    model: str | None = Field(default=None, description="the model of this candidate's "
+                              "trials; None when models are pooled or unknown")
+    models: list[str] = Field(default_factory=list, description="every model its trials ran "
+                              "with (more than one only when pooled)")
     sources: list[str]
     trials: int
     tasks: int = Field(description="tasks with at least one scored attempt")
@@ -55,12 +65,21 @@ class CandidateSummary(_Model):
     pass_at_k: dict[str, float] = Field(description="k -> pass@k, for binary rewards")
     timeouts: int
     exceptions: int
+    episode_errors: int = Field(default=0, description="episodes that ended in `error` (the "
+                                "document's code or the episode raised), harbor's exception "
+                                "or not")
+    exception_types: dict[str, int] = Field(default_factory=dict, description="type -> "
+                                            "trials, for `exceptions`")
     unscored: int = Field(description="trials without a reward; left out of the means "
                                       "unless missing_as_zero")
     input_tokens: int
     output_tokens: int
     mean_agent_seconds: float | None
     per_task: list[TaskScore]
+
+    @property
+    def key(self) -> Key:
+        return (self.doc_hash, self.model)
 
 
 class TaskDifference(_Model):
@@ -73,6 +92,8 @@ class TaskDifference(_Model):
 class ComparisonSummary(_Model):
     baseline: str
     candidate: str
+    baseline_model: str | None = None
+    candidate_model: str | None = None
     tasks: int = Field(description="tasks scored for both")
     mean_difference: float | None = Field(description="candidate minus baseline, over the "
                                                       "paired tasks")
@@ -86,6 +107,14 @@ class ComparisonSummary(_Model):
     only_baseline: list[str]
     only_candidate: list[str]
     per_task: list[TaskDifference]
+
+    @property
+    def baseline_key(self) -> Key:
+        return (self.baseline, self.baseline_model)
+
+    @property
+    def candidate_key(self) -> Key:
+        return (self.candidate, self.candidate_model)
 
 
 class Report(_Model):
@@ -103,6 +132,15 @@ class _Group:
     sources: list[str] = field(default_factory=list)
     records: list[TrialRecord] = field(default_factory=list)
 
+    @property
+    def scored(self) -> bool:
+        return any(record.reward is not None for record in self.records)
+
+
+def candidate_label(doc_hash: str, model: str | None) -> str:
+    """A candidate as `--baseline` takes it and errors name it: key, then `@model`."""
+    return doc_hash if model is None else f"{doc_hash}@{model}"
+
 
 def compare(
     records: Iterable[TrialRecord],
@@ -112,36 +150,40 @@ def compare(
     resamples: int = 10_000,
     seed: int = 0,
     confidence: float = 0.95,
+    pool_models: bool = False,
 ) -> Report:
     """Summarise each candidate of `records` and compare each with the baseline.
 
-    `baseline` is a candidate key or a unique prefix of one (default: the first record's
-    candidate). Trials without a reward are left out of every mean, or count as 0 with
-    `missing_as_zero`. Intervals are seeded BCa bootstraps over tasks with `resamples`
-    resamples (at least 10,000); the p-value is the exact sign-flip test over the paired
-    tasks (Wilcoxon past `EXACT_SIGN_FLIP_LIMIT` non-zero differences). Raises
-    `CompareError` for an empty input, too few resamples or a baseline that names no
-    candidate.
+    A candidate is a document (or another agent) and the model it ran with; with
+    `pool_models` a document's trials with every model are one. `baseline` is a
+    candidate's key (`doc_hash` or `doc_hash@model`) or a unique prefix of one (default:
+    the first candidate, in record order, that has a scored trial). Trials without a reward
+    are left out of every mean, or count as 0 with `missing_as_zero`. Intervals are seeded
+    BCa bootstraps over tasks with `resamples` resamples (at least 10,000); the p-value is
+    the exact sign-flip test over the paired tasks (Wilcoxon past `EXACT_SIGN_FLIP_LIMIT`
+    non-zero differences). Raises `CompareError` for an empty input, too few resamples or
+    a baseline that names no candidate.
     """
     if resamples < MIN_RESAMPLES:
         raise CompareError(f"resamples={resamples}: use at least {MIN_RESAMPLES:,}, so that "
                            "the seed moves the intervals' ends little")
     if not 0.5 <= confidence < 1:
         raise CompareError(f"confidence={confidence}: give a level in [0.5, 1), e.g. 0.95")
-    groups: dict[str, _Group] = {}
+    groups: dict[Key, _Group] = {}
     for record in records:
-        group = groups.setdefault(record.candidate, _Group(record.name))
+        key = (record.candidate, None if pool_models else record.model)
+        group = groups.setdefault(key, _Group(record.name))
         group.records.append(record)
         if record.source and record.source not in group.sources:
             group.sources.append(record.source)
     if not groups:
         raise CompareError("no trials to compare")
-    base = _resolve(baseline, list(groups))
+    base = _resolve(baseline, groups)
     labels = _task_labels(r for g in groups.values() for r in g.records)
     settings = Settings(confidence=confidence, resamples=resamples, seed=seed,
-                        missing_as_zero=missing_as_zero)
+                        missing_as_zero=missing_as_zero, pool_models=pool_models)
 
-    scores: dict[str, dict[tuple[str, str], float]] = {}
+    scores: dict[Key, dict[tuple[str, str], float]] = {}
     candidates = []
     for key, group in groups.items():
         summary, scores[key] = _summarise(key, group, labels, settings)
@@ -151,7 +193,7 @@ def compare(
         for key in groups if key != base
     ]
     # The baseline leads, so readers and the JSON see it first.
-    candidates.sort(key=lambda c: c.doc_hash != base)
+    candidates.sort(key=lambda c: c.key != base)
     return Report(settings=settings, candidates=candidates, comparisons=comparisons)
 
 
@@ -163,26 +205,33 @@ def compare_jobs(
     resamples: int = 10_000,
     seed: int = 0,
     confidence: float = 0.95,
+    pool_models: bool = False,
 ) -> Report:
-    """`compare` over the finished trials of harbor job directories (`load_jobs`)."""
+    """`compare` over the finished trials of harbor job directories, or of directories of
+    them (`load_jobs`)."""
     return compare(load_jobs(paths), baseline=baseline, missing_as_zero=missing_as_zero,
-                   resamples=resamples, seed=seed, confidence=confidence)
+                   resamples=resamples, seed=seed, confidence=confidence,
+                   pool_models=pool_models)
 
 
-def _resolve(baseline: str | None, keys: list[str]) -> str:
+def _resolve(baseline: str | None, groups: dict[Key, _Group]) -> Key:
+    keys = list(groups)
     if baseline is None:
-        return keys[0]
-    if baseline in keys:
-        return baseline
-    matches = [key for key in keys if key.startswith(baseline)]
+        # A candidate none of whose trials has a reward (all failed before the verifier)
+        # would leave every comparison empty.
+        return next((key for key in keys if groups[key].scored), keys[0])
+    names = {candidate_label(*key): key for key in keys}
+    if baseline in names:
+        return names[baseline]
+    matches = {key for name, key in names.items() if name.startswith(baseline)}
     if len(matches) == 1:
-        return matches[0]
-    known = ", ".join(keys)
+        return matches.pop()
+    known = ", ".join(names)
     if not matches:
         raise CompareError(f"baseline {baseline!r} is no candidate of these trials; "
                            f"candidates: {known}")
     raise CompareError(f"baseline {baseline!r} is the start of several candidates; give more "
-                       f"of it: {known}")
+                       f"of it (@model picks a model): {known}")
 
 
 def _task_labels(records: Iterable[TrialRecord]) -> dict[tuple[str, str], str]:
@@ -193,7 +242,7 @@ def _task_labels(records: Iterable[TrialRecord]) -> dict[tuple[str, str], str]:
             for task, found in digests.items() for digest in found}
 
 
-def _summarise(key: str, group: _Group, labels: dict[tuple[str, str], str],
+def _summarise(key: Key, group: _Group, labels: dict[tuple[str, str], str],
                settings: Settings) -> tuple[CandidateSummary, dict[tuple[str, str], float]]:
     attempts: dict[tuple[str, str], list[TrialRecord]] = defaultdict(list)
     for record in group.records:
@@ -214,13 +263,18 @@ def _summarise(key: str, group: _Group, labels: dict[tuple[str, str], str],
     low, high = _stats.bootstrap_interval(values or [0.0], resamples=settings.resamples,
                                           seed=settings.seed, confidence=settings.confidence)
     seconds = [r.agent_seconds for r in group.records if r.agent_seconds is not None]
+    exceptions = Counter(r.exception for r in group.records if r.exception is not None)
     summary = CandidateSummary(
-        doc_hash=key, name=group.name, sources=group.sources, trials=len(group.records),
+        doc_hash=key[0], name=group.name, model=key[1],
+        models=sorted({r.model for r in group.records if r.model is not None}),
+        sources=group.sources, trials=len(group.records),
         tasks=len(values), mean_reward=sum(values) / len(values) if values else None,
         ci_low=_finite(low), ci_high=_finite(high),
         pass_at_k={str(k): v for k, v in _stats.pass_at_k(successes).items()} if binary else {},
         timeouts=sum(r.timed_out for r in group.records),
-        exceptions=sum(r.exception is not None for r in group.records),
+        exceptions=exceptions.total(),
+        episode_errors=sum(r.stop_reason == "error" for r in group.records),
+        exception_types=dict(sorted(exceptions.items())),
         unscored=sum(r.reward is None for r in group.records),
         input_tokens=sum(r.input_tokens or 0 for r in group.records),
         output_tokens=sum(r.output_tokens or 0 for r in group.records),
@@ -236,7 +290,7 @@ def _score(record: TrialRecord, missing_as_zero: bool) -> float | None:
     return record.reward
 
 
-def _compare_pair(base: str, key: str, baseline: dict[tuple[str, str], float],
+def _compare_pair(base: Key, key: Key, baseline: dict[tuple[str, str], float],
                   candidate: dict[tuple[str, str], float], labels: dict[tuple[str, str], str],
                   settings: Settings) -> ComparisonSummary:
     paired = sorted(baseline.keys() & candidate.keys(), key=lambda t: labels[t])
@@ -246,7 +300,8 @@ def _compare_pair(base: str, key: str, baseline: dict[tuple[str, str], float],
                                           seed=settings.seed, confidence=settings.confidence)
     p_value, method = _stats.sign_flip_p_value(differences) if differences else (None, None)
     return ComparisonSummary(
-        baseline=base, candidate=key, tasks=len(paired), mean_difference=mean,
+        baseline=base[0], candidate=key[0], baseline_model=base[1], candidate_model=key[1],
+        tasks=len(paired), mean_difference=mean,
         ci_low=_finite(low), ci_high=_finite(high), p_value=p_value, p_method=method,
         wins=sum(d > _TIE for d in differences), losses=sum(d < -_TIE for d in differences),
         ties=sum(abs(d) <= _TIE for d in differences),

@@ -69,13 +69,18 @@ async def run_asyncio[T](afn: Callable[..., Awaitable[T]], *args: Any) -> T:
     """From trio: run an asyncio coroutine function, trio owning the loop.
 
     Uses the trio-asyncio loop already open in this task's context, or opens one for the
-    call. Cancelling the calling trio scope cancels the asyncio side and waits for it.
+    call, whose default executor behaves as asyncio's (`AsyncioSemanticsExecutor`: its
+    close does not wait for executor work nobody awaits). Cancelling the calling trio
+    scope cancels the asyncio side and waits for it.
     """
     import trio_asyncio
 
     if trio_asyncio.current_loop.get() is not None:
         return await call_asyncio(afn, *args)
-    async with trio_asyncio.open_loop():
+    from wmo_trio.engine._executor import AsyncioSemanticsExecutor
+
+    async with trio_asyncio.open_loop() as loop:
+        loop.set_default_executor(AsyncioSemanticsExecutor())
         return await call_asyncio(afn, *args)
 
 

@@ -24,15 +24,20 @@ from wmo_trio.episode.services import EpisodeServices, PrefixMemo
 from wmo_trio.models import Action, ActionKind, Step, StopReason
 from wmo_trio.providers.base import Message, ProviderRequest, ToolSpec
 from wmo_trio.settings import validation_problem
+from wmo_trio.trace import nesting
 
-__all__ = ["MAX_FREE_CALLS", "MAX_RECORDED_BYTES", "ProgramChannel", "ProtocolViolation",
-           "refuse", "typed_field"]
+__all__ = ["MAX_FREE_CALLS", "MAX_NESTING", "MAX_RECORDED_BYTES", "ProgramChannel",
+           "ProtocolViolation", "refuse", "typed_field"]
 
 # Calls that cost neither a model call nor an environment action (refused tools,
 # read_skill) are otherwise free: a program could flood the host's transcript with them.
 MAX_FREE_CALLS = 4096
 # What a program may make the host record (tool calls' arguments, message steps).
 MAX_RECORDED_BYTES = 64 * 1024 * 1024
+# How deep the values of a recorded request may nest (an object or array is one level).
+# The tools take strings; the trace's serializer stops at 255 levels, the steps' own
+# among them, and a value past them would leave the episode without its trace.
+MAX_NESTING = 64
 
 
 class ProtocolViolation(BaseException):
@@ -157,6 +162,9 @@ class ProgramChannel:
             raise
 
     def _record(self, data: list[object]) -> None:
+        if any(nesting(value, MAX_NESTING) > MAX_NESTING for value in data):
+            raise ProtocolViolation(f"a request's values nest deeper than {MAX_NESTING} levels "
+                                    "of objects and arrays")
         try:
             size = len(json.dumps(data))
         except (TypeError, ValueError, RecursionError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from wmo_trio.engine import run_asyncio
@@ -50,3 +52,23 @@ def harbor_progress_hidden() -> Iterator[None]:
         yield
     finally:
         console.quiet = was_quiet
+
+
+def record_interrupted_end(job_dir: Path) -> None:
+    """Give a job that was cancelled as a whole (Ctrl-C) its `finished_at` in result.json.
+
+    harbor 0.25 leaves it unset after an interruption, so that its viewer does not show
+    the job as complete; wmo_trio's job ended all the same, every trial cancelled and
+    scored or not as harbor records it (`stats.n_cancelled_trials`), and a reader of the
+    directory should not take it for a job still running. A job cancelled before harbor
+    wrote its result has none to change.
+    """
+    from harbor.models.job.result import JobResult
+
+    path = job_dir / "result.json"
+    if path.is_symlink() or not path.is_file():
+        return
+    result = JobResult.model_validate_json(path.read_bytes())
+    if result.finished_at is None:
+        result.finished_at = datetime.now()  # naive local time, as harbor writes it
+        path.write_text(result.model_dump_json(indent=4, exclude={"trial_results"}))

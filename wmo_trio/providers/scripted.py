@@ -47,6 +47,9 @@ from wmo_trio.providers.recording import load_replay
 from wmo_trio.providers.script import ScriptedError, ScriptedReply, load_script
 from wmo_trio.settings import NonNegativeSeconds
 
+# The scripted kind's model without a script or a replay: the built-in policy.
+OFFLINE = "offline"
+
 # status and whether the retry policy may try again, per injected error kind
 _ERROR_KINDS: dict[str, tuple[int | None, bool]] = {
     "rate_limit": (429, True),
@@ -123,6 +126,12 @@ class ScriptedProvider(ClosesOnExit):
         if settings.replay is not None:
             answer = parse_file_once(Path(settings.replay), load_replay)
             return cls(config, answer=answer, latency_s=latency)
+        if config.model != OFFLINE:
+            # It would play the offline policy under another name, and the trace say so.
+            raise ProviderConfigError(
+                f"scripted model {config.model!r} does not exist: the scripted kind's model is "
+                f"{OFFLINE!r} (scripted/{OFFLINE}, the policy that knows the bundled example "
+                "tasks); another name is a label for a script or a replay setting's replies")
         return cls(config, answer=offline_policy, latency_s=latency)
 
     def _reply_for(self, request: ProviderRequest, turn: int) -> ScriptedReply:

@@ -4,13 +4,19 @@
 - `ImageCache`: the built images (`wmo-trio sandbox images` / `prune`).
 - `SandboxUnavailableError`: this machine cannot run sandboxes (the message says why).
 - `BuildError`, `DockerfileError`: a task's Dockerfile failed, or cannot be built here.
+- For another sandbox of this machine (``wmo_trio.backends.sandbox``'s runner): the trial's
+  `TRIAL_PROFILE`, which such a sandbox changes with `dataclasses.replace` (`Profile`),
+  `bwrap_argv` and `launch_argv` to start it, `profile_problem` to check it can, and its
+  cgroup (`Limits`, `TrialCgroup`).
 
 Module by job: `_dockerfile` reads Dockerfiles, `_image` builds and caches images,
-`_rootfs` chooses the host layers, `_namespace` starts and ends sandboxes,
+`_rootfs` chooses the host layers, `_profile` is what every sandbox holds to and its
+bubblewrap command line, `_namespace` starts and ends sandboxes (`_storage` makes a
+trial's filesystem of its `storage_mb`),
 `_seccomp` compiles the system-call filter they run under, `_processes` runs commands
-in them, `_transfer` copies files, `_hostfs` is the host's rule for paths a trial or a
-build wrote, `_helper` is the process inside every sandbox,
-`_environment` is harbor's interface.
+in them, `_transfer` copies files (`_reward` the verifier's reward files, bounded),
+`_hostfs` is the host's rule for paths a trial or a build wrote, `_helper` is the
+process inside every sandbox, `_environment` is harbor's interface.
 
 `LocalEnvironment` is imported on first use, as it brings harbor's environment classes:
 checking whether this machine can run sandboxes, or listing the image cache, does not
@@ -22,21 +28,38 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from wmo_trio._lazy import lazy_exports
+from wmo_trio.sandbox._cgroup import Limits, TrialCgroup
 from wmo_trio.sandbox._dockerfile import DockerfileError
 from wmo_trio.sandbox._image import BuildError, CachedImage, ImageCache, default_cache_dir
 from wmo_trio.sandbox._namespace import SandboxUnavailableError
+from wmo_trio.sandbox._profile import (
+    TRIAL_PROFILE,
+    Bind,
+    Profile,
+    bwrap_argv,
+    launch_argv,
+    profile_problem,
+)
 
 if TYPE_CHECKING:
     from wmo_trio.sandbox._environment import LocalEnvironment
 
 __all__ = [
+    "TRIAL_PROFILE",
+    "Bind",
     "BuildError",
     "CachedImage",
     "DockerfileError",
     "ImageCache",
+    "Limits",
     "LocalEnvironment",
+    "Profile",
     "SandboxUnavailableError",
+    "TrialCgroup",
+    "bwrap_argv",
     "default_cache_dir",
+    "launch_argv",
+    "profile_problem",
 ]
 
 __getattr__ = lazy_exports(__name__, {"LocalEnvironment": "wmo_trio.sandbox._environment"})

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from harbor.environments.base import BaseEnvironment, ExecResult
@@ -26,7 +26,7 @@ from harbor.models.trial.config import ResourceMode
 from harbor.models.trial.paths import EnvironmentPaths
 from harbor.utils.path_filter import filter_paths_by_patterns
 
-from wmo_trio.sandbox import _transfer
+from wmo_trio.sandbox import _storage, _transfer
 from wmo_trio.sandbox._cgroup import Limits, host_cgroups, remove_stale_cgroups
 from wmo_trio.sandbox._dockerfile import DockerfileError
 from wmo_trio.sandbox._hostfs import remove_tree
@@ -42,6 +42,7 @@ from wmo_trio.sandbox._namespace import (
     unavailable,
 )
 from wmo_trio.sandbox._processes import ChannelClosed, SpawnFailed
+from wmo_trio.sandbox._reward import download_reward_files, excluding_rewards
 from wmo_trio.sandbox._rootfs import HostLayers, host_layers
 
 __all__ = ["LocalEnvironment"]
@@ -84,9 +85,11 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
     - Each trial has a private overlay root, PID, IPC, UTS, mount, cgroup and network
       namespaces, a fresh ``/proc``, a minimal ``/dev``, only the task's and harbor's
       environment variables, outbound network through slirp4netns unless the task
-      forbids it, and ``cpus`` and ``memory_mb`` as cgroup ceilings where this machine's
-      cgroups allow them. Nothing of the host's ``/tmp``, ``/root``, ``/home``, the project,
-      the job's datasets and tasks or the jobs directory is visible.
+      forbids it, ``cpus`` and ``memory_mb`` as cgroup ceilings where this machine's
+      cgroups allow them, and ``storage_mb`` as the size of a filesystem of its own
+      for what it writes where loop devices allow it. Nothing of the host's ``/tmp``,
+      ``/root``, ``/home``, the project, the job's datasets and tasks or the jobs
+      directory is visible.
     - It runs as root on Linux with bubblewrap, slirp4netns and util-linux; elsewhere
       ``preflight`` and ``start`` fail with one error pointing to ``-e docker``.
     - ``--ek auto_mounting=true`` is refused (each trial fails with one line): harbor
@@ -96,7 +99,8 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
     - ``--ek state_dir=...`` (default ``$TMPDIR/wmo-trio-sandbox``) holds trials' upper
       directories, ``--ek cache_dir=...`` (default ``~/.cache/wmo-trio/sandbox``) the
       built images, ``--ek build_args='{"NAME": "value"}'`` sets ``ARG`` values.
-      ``stop(delete=False)`` keeps the trial's upper directories for inspection.
+      ``stop(delete=False)`` keeps the trial's upper directories for inspection (with
+      ``storage_mb``, in an ext4 image, ``storage.img``: ``mount -o loop,ro`` reads it).
     - Files are copied in and out by this process, never by a program of the trial's
       root. A copy out keeps links only when they stay inside the copied directory and
       is bounded: ``--ek download_limit_mb=...`` (default 1024, holes counted) and
@@ -174,10 +178,11 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             cpu_limit=cgroups.offers("cpu"), memory_limit=cgroups.offers("memory"),
             fractional_cpus=True)
 
-    def _limits(self) -> Limits:
+    def _limits(self) -> tuple[Limits, int | None]:
         """The trial's ceilings as harbor resolves them (task.toml's ``cpus`` and
-        ``memory_mb``, overrides, the enforcement policy) and ``pids_limit``; those this
-        machine cannot enforce are dropped, with a warning, as is ``storage_mb``."""
+        ``memory_mb``, overrides, the enforcement policy) and ``pids_limit``, and the
+        bytes its writes may take (``storage_mb``, see ``_storage``); those this machine
+        cannot enforce are dropped, with one warning per task."""
         cpus = self._resource_limit_value("cpu", auto_mode=ResourceMode.LIMIT)
         memory_mb = self._resource_limit_value("memory", auto_mode=ResourceMode.LIMIT)
         pids = self._pids_limit or None
@@ -194,16 +199,20 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             pids = None
         reasons = [cgroups.reason] if unenforced else []
         storage_mb = self._effective_storage_mb
-        if storage_mb is not None:
+        if storage_mb is not None and not storage_mb > 0:
+            raise ValueError(f"storage_mb must be a positive number of MiB, not {storage_mb!r}")
+        problem = None if storage_mb is None else _storage.problem()
+        if problem is not None:
             unenforced.append(f"storage_mb={storage_mb}")
-            reasons.append("this environment sets no disk quota (a trial's writes go to "
-                           "the state directory's filesystem)")
+            reasons.append(f"{problem}, so a trial's writes go to the state directory's "
+                           "filesystem without a bound")
+            storage_mb = None
         if unenforced and self.environment_name not in _WARNED_UNENFORCED:
             _WARNED_UNENFORCED.add(self.environment_name)
             self.logger.warning("%s: %s not enforced: %s", self.environment_name,
                                 " and ".join(unenforced), "; ".join(map(str, reasons)))
-        return Limits(cpus=None if cpus is None else float(cpus), memory_mb=memory_mb,
-                      pids=pids)
+        return (Limits(cpus=None if cpus is None else float(cpus), memory_mb=memory_mb,
+                       pids=pids), None if storage_mb is None else storage_mb << 20)
 
     def _shm_bytes(self, limits: Limits) -> int:
         """``/dev/shm``'s size: what it holds counts against memory_mb, and a trial
@@ -306,11 +315,11 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                             f"127.0.1.1\t{hostname}\n"}
             if self._network:
                 etc["resolv.conf"] = "nameserver 10.0.2.3\n"
-            limits = self._limits()
+            limits, storage_bytes = self._limits()
             self._sandbox = await Sandbox.launch(
                 state=state, host=host, image_layer=image.layer if image else None,
                 network=self._network, hostname=hostname, binds=binds, etc_files=etc,
-                limits=limits, shm_bytes=self._shm_bytes(limits),
+                limits=limits, shm_bytes=self._shm_bytes(limits), storage_bytes=storage_bytes,
             )
             self._image, self._host = image, host
             self._started = True
@@ -336,6 +345,8 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         remove_stale_states(self._state_root)
         remove_stale_cgroups()
         self._cache.remove_leftovers()
+        if self._effective_storage_mb is not None:
+            _storage.problem()  # found once per process, here rather than on the loop
         return host_layers(self._cache.root, self._hidden_paths())
 
     def _state_and_binds(self) -> tuple[StateDir, list[Bind]]:
@@ -356,6 +367,8 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                     build_args=self._build_args,
                     build_timeout_sec=self.task_env_config.build_timeout_sec, log=log,
                     notice=lambda text: self.logger.warning("%s: %s", self.environment_name, text),
+                    built_for={"task": str(self.environment_dir.parent),
+                               "job": str(self.trial_paths.trial_dir.parent)},
                 )
             except TimeoutError:
                 raise RuntimeError(
@@ -600,9 +613,18 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                         **options: Any) -> None:
         if self._never_started():  # nothing to copy, and nothing raised
             return
+        # harbor reads the reward files whole: copied apart, bounded (see _reward).
+        rewards = dict(options) if PurePosixPath(source_dir) == EnvironmentPaths.verifier_dir \
+            else None
+        if rewards is not None:
+            options["exclude"] = excluding_rewards(options.get("exclude"))
         outcome = await _transfer.download_dir(self._require_sandbox().open_root, source_dir,
                                                Path(target_dir), self._transfer_limits,
                                                **options)
+        if rewards is not None:
+            for said in await download_reward_files(self._require_sandbox().open_root,
+                                                    source_dir, Path(target_dir), **rewards):
+                self.logger.warning(said)
         warning = outcome.warning()
         if warning is not None:
             self.logger.warning(warning)
@@ -663,13 +685,14 @@ def _job_sources(config_path: Path) -> list[Path]:
 
 def _keep(state: StateDir) -> Path:
     """Keep a stopped trial's upper directories as ``kept-<name>/`` beside the others,
-    out of reach of the stale-state cleanup, and drop the rest."""
+    out of reach of the stale-state cleanup, and drop the rest; where they are (with
+    storage_mb, the filesystem image whose ``upper/`` they are)."""
     kept = state.path.with_name("kept-" + state.path.name)
-    for scratch in ("work", "root", "hidden", "launch.log"):
+    for scratch in ("work", "root", "hidden", "launch.log", _storage.TOP):
         remove_tree(state.path / scratch)
     os.rename(state.path, kept)
     state.path = kept
     with contextlib.suppress(FileNotFoundError):
         state.lock_path.unlink()
     os.close(state.lock_fd)
-    return kept
+    return kept / _storage.IMAGE if (kept / _storage.IMAGE).exists() else kept

@@ -19,6 +19,9 @@ Requests (host to helper):
 - ``{"op": "spawn", "id": N, "argv": [...], "env": {...}, "cwd": "/x", "user": spec,
   "tag": "..."}`` with three descriptors: stdin, stdout, stderr.
 - ``{"op": "kill", "id": N}``: end every process the command started.
+- ``{"op": "end_others", "id": N}``: end every process of the sandbox but this one,
+  however it detached, and reap them; replies ``{"id": N, "ended": 1}`` once none is
+  left (a build's sandbox between two steps).
 - ``{"op": "prepare", "id": N, "dirs": [...], "shared": [...]}``: make each directory
   (with its parents) as ``mkdir -p`` does, each ``shared`` one also world-writable, as
   Docker's start does for mount targets; replies ``{"id": N, "shell": "bash"}`` (or
@@ -33,10 +36,11 @@ trial runs out of memory, the kernel ends a command rather than this process.
 
 When the socket closes (the host stopped the trial, or died), the helper exits; the
 kernel then kills every other process of the PID namespace. As PID 1 it cannot be
-killed from inside the sandbox, and it reaps every orphan. It is not dumpable, so no
-command, even as root, can trace it, read its memory or environment or take its
-descriptors (the host's socket among them): without ``CAP_SYS_PTRACE``, which no
-sandbox has, the kernel refuses all of these on a process that is not dumpable.
+killed from inside the sandbox, whatever signal is sent (see :func:`ignore_signals`),
+and it reaps every orphan. It is not dumpable, so no command, even as root, can trace
+it, read its memory or environment or take its descriptors (the host's socket among
+them): without ``CAP_SYS_PTRACE``, which no sandbox has, the kernel refuses all of these
+on a process that is not dumpable.
 """
 
 from __future__ import annotations
@@ -313,12 +317,34 @@ class Helper:
                 for pid, (request_id, tag) in list(self.running.items()):
                     if request_id == request["id"]:
                         kill_tree(pid, tag)
+            elif request["op"] == "end_others":
+                self.end_others()
+                self.send({"id": request["id"], "ended": 1})
             elif request["op"] == "prepare":
                 self.send({"id": request["id"], "shell": prepare(request["dirs"],
                                                                  request["shared"])})
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def end_others(self) -> None:
+        """SIGKILL every other process of the sandbox and reap them all (the commands
+        among them reported as :meth:`reap` does); returns once none is left, or after
+        KILL_WAIT_SEC. As the PID namespace's PID 1, one ``kill(-1)`` reaches every
+        process of it, wherever it went, and the kernel lets no fork escape that signal;
+        every orphan comes to this process, so having no child means none is left."""
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:  # there is no other process
+            return
+        deadline = time.monotonic() + KILL_WAIT_SEC
+        while time.monotonic() < deadline:
+            self.reap()
+            try:
+                os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            time.sleep(0.001)
 
     def reap(self) -> None:
         """Reap every exited child, then report the commands among them: once the host
@@ -400,11 +426,29 @@ def make_undumpable() -> None:
         sys.exit(1)
 
 
+def ignore_signals() -> None:
+    """Leave every signal a process of the sandbox can send at its default disposition,
+    which for a PID 1 the kernel never delivers from inside its own PID namespace
+    (SIGKILL and SIGSTOP included); only the host's can end it. Python's own handlers
+    are the way in otherwise: its SIGINT one raised KeyboardInterrupt, and a ``kill
+    -INT 1`` in a trial ended the helper with it. Two keep a disposition of their own,
+    each harmless whoever sends it: SIGCHLD's handler only wakes the loop to reap, and
+    SIGPIPE is ignored (a write to a closed socket raises instead; a command gets the
+    default back, see :func:`spawn`)."""
+    for number in signal.valid_signals():
+        if number not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGPIPE):
+            try:
+                signal.signal(number, signal.SIG_DFL)
+            except (OSError, ValueError):  # one the C library keeps for itself
+                pass
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+
+
 def main() -> None:
     make_undumpable()
     # Started with its program on a descriptor of its own; the commands must not inherit it.
     os.closerange(3, 1 << 16)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    ignore_signals()
     channel = socket.socket(fileno=0)
     try:
         Helper(channel).serve()

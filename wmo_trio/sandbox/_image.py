@@ -132,6 +132,22 @@ class CachedImage:
     size_bytes: int
     built_at: float
     in_use: bool
+    # Who built it, for a cache every user of the machine shares: the system user, and
+    # the task directory and job directory of the trial that built it ("" before these
+    # were recorded).
+    user: str = ""
+    task_dir: str = ""
+    job: str = ""
+
+
+def _user() -> str:
+    """This process's user's name (its uid where the system knows no name)."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
 
 
 @dataclass(frozen=True)
@@ -200,8 +216,10 @@ class ImageCache:
         build_timeout_sec: float | None,
         log: Any = None,
         notice: Callable[[str], None] | None = None,
+        built_for: Mapping[str, str] | None = None,
     ) -> Image:
-        """The task's image, built now if no trial built it before. Holds the image's
+        """The task's image, built now if no trial built it before (its record says for
+        whom: `built_for`, the trial's task and job directories). Holds the image's
         lock shared until :meth:`Image.release`. Raises :class:`DockerfileError` for a
         Dockerfile that cannot be built here, :class:`BuildError` for a failed step."""
         plan = build_plan(read(context / "Dockerfile"), build_args)
@@ -228,7 +246,7 @@ class ImageCache:
                             notice(text)
                     async with asyncio.timeout(build_timeout_sec):
                         await self._build(plan, context, host, target, task_name,
-                                          build_args, log)
+                                          build_args, log, built_for or {})
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 meta = json.loads((target / "image.json").read_text())
                 os.utime(target / "image.json")  # last use, for prune --older-than
@@ -262,7 +280,7 @@ class ImageCache:
 
     async def _build(self, plan: list[Stage], context: Path, host: HostLayers,
                      target: Path, task_name: str, build_args: Mapping[str, str],
-                     log: Any) -> None:
+                     log: Any, built_for: Mapping[str, str]) -> None:
         """Build each stage of the plan in a sandbox of its own; the stages the last one
         copies from run until it is built, and only its layer is kept."""
         states: list[StateDir] = []
@@ -284,7 +302,8 @@ class ImageCache:
                     await builder.step(instruction)
                 sources[stage.index] = sandbox.channel
             record = {"task": task_name, "built_at": started, "seconds": time.time() - started,
-                      "config": asdict(builder.config), "has_sudo": await builder.has_sudo()}
+                      "config": asdict(builder.config), "has_sudo": await builder.has_sudo(),
+                      "built_by": {"user": _user(), **built_for}}
             for sandbox in sandboxes:
                 await sandbox.stop()
             await asyncio.to_thread(_drop_network_files, sandboxes[-1].upper)
@@ -307,9 +326,12 @@ class ImageCache:
                 size = tree_size(image)  # a build may have left any tree there
             except OSError:
                 size = 0
+            by = meta.get("built_by") if isinstance(meta.get("built_by"), dict) else {}
             found.append(CachedImage(key=image.name, path=image, task=str(meta.get("task", "")),
                                      size_bytes=size, built_at=path.stat().st_mtime,
-                                     in_use=self._in_use(image.name)))
+                                     in_use=self._in_use(image.name),
+                                     user=str(by.get("user", "")),
+                                     task_dir=str(by.get("task", "")), job=str(by.get("job", ""))))
         return found
 
     def _in_use(self, key: str) -> bool:
@@ -393,6 +415,32 @@ LANGUAGE_IMAGES = {
 }
 
 
+# Where Docker's official images ("library") are served under a registry's name: Docker
+# Hub's own hosts, where the library is also the default namespace, and the public
+# mirrors of it that tasks name to avoid Docker Hub's pull limits (terminal-bench 2's
+# tasks use the last two).
+DOCKER_HUB_HOSTS = ("docker.io/", "index.docker.io/", "registry-1.docker.io/",
+                    "registry.hub.docker.com/")
+LIBRARY_MIRRORS = ("public.ecr.aws/docker/library/", "mirror.gcr.io/library/")
+
+
+def official_library_name(base: str) -> str | None:
+    """The name and tag of the official image ``base`` names (``python:3.13`` for
+    ``python:3.13``, ``docker.io/library/python:3.13`` or
+    ``public.ecr.aws/docker/library/python:3.13``), digest dropped; None for any other
+    image."""
+    name = base.split("@")[0]
+    for mirror in LIBRARY_MIRRORS:
+        if name.startswith(mirror):
+            name = name.removeprefix(mirror)
+            break
+    else:
+        for host in DOCKER_HUB_HOSTS:
+            name = name.removeprefix(host)
+        name = name.removeprefix("library/")
+    return None if "/" in name or not name else name
+
+
 @functools.cache
 def host_packages() -> dict[str, str]:
     """The host's installed Debian packages and their versions (epoch dropped)."""
@@ -414,10 +462,8 @@ def stand_in_notice(base: str, packages: Mapping[str, str] | None = None) -> str
     """One line saying that the host cannot supply the language version a ``FROM``
     image names, and what stands in for it; None when it can (or the image is not an
     official language image)."""
-    name = base.split("@")[0]
-    for prefix in ("docker.io/library/", "docker.io/", "library/"):
-        name = name.removeprefix(prefix)
-    if "/" in name:
+    name = official_library_name(base)
+    if name is None:
         return None
     image, _, tag = name.partition(":")
     if image not in LANGUAGE_IMAGES:
@@ -518,6 +564,7 @@ class _Builder:
                 self.config.cmd = command
         elif keyword == "RUN":
             await self._run_step(instruction)
+            await self._end_step_processes()
         elif keyword in ("COPY", "ADD"):
             await self._copy(instruction)
 
@@ -562,6 +609,12 @@ class _Builder:
                             user=self.config.user, cwd=self.workdir)
         finally:
             await self.channel.run(["rm", "-f", "--", path], env=self._env(), cwd="/")
+
+    async def _end_step_processes(self) -> None:
+        """End every process the step left running, however it detached (``setsid``,
+        ``nohup``, a double fork, a cleared environment): under Docker each step runs
+        in a container of its own, so a daemon a step starts is gone at the next."""
+        await self.channel.end_others()
 
     async def has_sudo(self) -> bool:
         """Whether the image has a ``sudo`` on its PATH."""

@@ -4,13 +4,11 @@ namespace around it, its user-mode network, and its removal.
 ``util-linux``'s ``unshare`` gives the launch a private mount namespace in which the
 overlays are mounted (bubblewrap 0.8 has no overlay option), so no mount is ever visible
 on the host and all of them vanish with the sandbox's last process. bubblewrap then
-pivots into that root with fresh PID, IPC, UTS, network and cgroup namespaces, a new
-``/proc`` (``/proc/sys`` and ``/proc/sysrq-trigger`` read-only), a minimal read-only
-``/dev``, an empty environment and Docker's default capabilities less ``CAP_MKNOD``; the
-helper runs there as PID 1. With
+pivots into that root as the trial's profile says (``_profile.TRIAL_PROFILE``: fresh PID, IPC,
+UTS, network and cgroup namespaces, Docker's masks and capabilities less ``CAP_MKNOD``,
+its system-call filter, a keyring of its own); the helper runs there as PID 1. With
 ``--die-with-parent`` the whole sandbox is killed when the process that started it dies.
-Every process there runs under Docker's default seccomp filter (``_seccomp``) and in a
-session keyring of the sandbox's own, joined before bubblewrap starts.
+Its network stack, slirp4netns, runs in a sandbox of its own (``_profile.NETWORK_STACK_PROFILE``).
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import json
@@ -37,31 +36,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from wmo_trio.sandbox import _storage
 from wmo_trio.sandbox._cgroup import Limits, TrialCgroup
 from wmo_trio.sandbox._hostfs import read_tail, remove_or_set_aside, remove_tree
 from wmo_trio.sandbox._processes import Channel, wait_readable
+from wmo_trio.sandbox._profile import (
+    DEFAULT_PATH,
+    NETWORK_STACK_PROFILE,
+    TRIAL_PROFILE,
+    Bind,
+    bwrap_argv,
+    launch_argv,
+    profile_problem,
+)
 from wmo_trio.sandbox._rootfs import HostLayers, make_hiding_layer
-from wmo_trio.sandbox._seccomp import filter_fd, filter_problem
 
-__all__ = ["Bind", "Sandbox", "SandboxUnavailableError", "StateDir", "remove_stale_states",
-           "wait_for_removals"]
+__all__ = ["DEFAULT_PATH", "Bind", "Sandbox", "SandboxUnavailableError", "StateDir",
+           "remove_stale_states", "wait_for_removals"]
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Bounds a hang only: a start takes milliseconds, but seconds on a saturated machine.
 START_TIMEOUT_SEC = 120.0
 STOP_TIMEOUT_SEC = 10.0
 LAUNCH_ATTEMPTS = 3
 LAUNCH_LOG_TAIL = 64 << 10
 HELPER = Path(__file__).with_name("_helper.py")
-# Docker's default capability set, less CAP_MKNOD: without a device cgroup, a device
-# node made inside could open the host's disks.
-CAPABILITIES = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_NET_RAW",
-                "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP",
-                "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE")
-PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/fs")
-# Shown empty, as Docker masks them: the host root's keys, by description and owner.
-PROC_MASKED = ("/proc/keys", "/proc/key-users")
-DEFAULT_SHM_BYTES = 64 << 20  # Docker's size of /dev/shm
 _UNSAFE_OVERLAY_PATH = re.compile(r"[,:\\\s]")
 
 
@@ -91,26 +89,7 @@ def missing_tools() -> str | None:
                if shutil.which(tool) is None]
     if missing:
         return "missing " + ", ".join(missing) + " on PATH"
-    return filter_problem(CAPABILITIES)
-
-
-def hardening_arguments(capabilities: Sequence[str]) -> list[str]:
-    """bubblewrap's arguments for what every sandbox of this project holds to, whatever
-    runs in it (a trial, or an episode's program: ``wmo_trio.backends.sandbox``): no
-    capability but ``capabilities``, and /proc's writable corners read-only."""
-    arguments = ["--cap-drop", "ALL"]
-    for path in PROC_READ_ONLY:  # see Sandbox._launch
-        arguments += ["--ro-bind-try", path, path]
-    for capability in capabilities:
-        arguments += ["--cap-add", capability]
-    return arguments
-
-
-@dataclass(frozen=True)
-class Bind:
-    source: str
-    target: str
-    read_only: bool = False
+    return profile_problem(TRIAL_PROFILE) or profile_problem(NETWORK_STACK_PROFILE)
 
 
 @dataclass
@@ -239,13 +218,25 @@ def remove_stale_states(root: Path) -> list[Path]:
     return removed
 
 
-def _overlay_options(lower: Sequence[str], upper: Path, work: Path) -> str:
+def _overlay_options(lower: Sequence[str], upper: Path, work: Path, state: Path,
+                     layers: dict[str, str]) -> str:
+    """The overlay's options, every path in them relative to ``state`` (where mount(8)
+    runs): a trial's /proc/self/mountinfo shows them, as Docker's shows its own, and
+    they name no host path. A lower directory is named by a link of ``state``'s
+    ``layers/`` (``layers`` maps each path to its link, made on first use)."""
     for path in [*lower, str(upper), str(work)]:
         if _UNSAFE_OVERLAY_PATH.search(path):
             raise unavailable(f"the path {path} holds a character overlayfs options cannot "
                               "carry (comma, colon, backslash or space); choose other "
                               "state_dir and cache_dir")
-    return f"lowerdir={':'.join(lower)},upperdir={upper},workdir={work}"
+    for path in lower:
+        if path not in layers:
+            layers[path] = f"layers/{len(layers)}"
+            (state / "layers").mkdir(exist_ok=True)
+            os.symlink(path, state / layers[path])
+    names = ":".join(layers[path] for path in lower)
+    return (f"lowerdir={names},upperdir={upper.relative_to(state)},"
+            f"workdir={work.relative_to(state)}")
 
 
 @dataclass
@@ -269,7 +260,8 @@ class Sandbox:
 
     @property
     def upper(self) -> Path:
-        """Where everything the sandbox wrote is: one directory per overlay."""
+        """Where everything the sandbox wrote is: one directory per overlay (a sandbox
+        without ``storage_bytes``: a build's)."""
         return self.state.path / "upper"
 
     @classmethod
@@ -283,7 +275,8 @@ class Sandbox:
             except SandboxUnavailableError as error:
                 if "bwrap: loopback:" not in str(error) or attempt == LAUNCH_ATTEMPTS - 1:
                     raise
-                for scratch in ("upper", "work", "root", "hidden"):
+                for scratch in ("upper", "work", "root", "hidden", "layers", _storage.TOP,
+                                _storage.IMAGE):
                     await asyncio.to_thread(remove_tree, options["state"].path / scratch)
         raise AssertionError("unreachable")
 
@@ -299,12 +292,14 @@ class Sandbox:
         binds: Sequence[Bind] = (),
         etc_files: dict[str, str] | None = None,
         limits: Limits | None = None,
-        shm_bytes: int = DEFAULT_SHM_BYTES,
+        shm_bytes: int = TRIAL_PROFILE.shm_bytes,
+        storage_bytes: int | None = None,
     ) -> Sandbox:
         """Mount the root in ``state``, start bubblewrap and its helper there and, with
         ``network``, a slirp4netns stack for its network namespace; every process of
         the sandbox runs in a cgroup of its own that holds them to ``limits`` (where
-        this machine offers cgroups: see ``_cgroup``). ``/dev/shm`` holds ``shm_bytes``.
+        this machine offers cgroups: see ``_cgroup``). ``/dev/shm`` holds ``shm_bytes``;
+        with ``storage_bytes``, what the sandbox writes is held to that (see ``_storage``).
 
         If this fails or is cancelled, whatever was started is stopped again; the state
         directory is the caller's to remove.
@@ -316,67 +311,49 @@ class Sandbox:
 
         def prepare() -> tuple[str, bytes]:
             # One hop to a thread for both: each hop is a wait for the loop.
-            return (_prepare_root(state, host, image_layer, binds, etc_files or {}),
+            return (_prepare_root(state, host, image_layer, binds, etc_files or {},
+                                  storage_bytes),
                     helper_program())
 
         mount, program = await asyncio.to_thread(prepare)
-        helper_fd = _read_only_memfd(program)
-        seccomp_fd = filter_fd(CAPABILITIES)
-        # bubblewrap reads each of these to its end, then closes it.
-        empty_fds = [os.open(os.devnull, os.O_RDONLY) for _ in PROC_MASKED]
-        info_read, info_write = os.pipe()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        bwrap = [
-            "bwrap", "--bind", str(root), "/", "--proc", "/proc", "--dev", "/dev",
-            "--size", str(shm_bytes), "--perms", "1777",  # Docker's /dev/shm
-            "--tmpfs", "/dev/shm", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-            "--unshare-net", "--unshare-cgroup", "--hostname", hostname, "--die-with-parent",
-            "--as-pid-1", "--clearenv", "--setenv", "PATH", DEFAULT_PATH,
-            "--info-fd", str(info_write), "--cap-drop", "ALL", "--seccomp", str(seccomp_fd),
-        ]
-        for path in PROC_READ_ONLY:
-            # Root may write most sysctls with no capability at all: as Docker does,
-            # these stay read-only (bubblewrap covers /proc/irq and /proc/bus).
-            bwrap += ["--ro-bind-try", path, path]
-        for path, empty_fd in zip(PROC_MASKED, empty_fds, strict=True):
-            bwrap += ["--ro-bind-data", str(empty_fd), path]
-        for capability in CAPABILITIES:
-            bwrap += ["--cap-add", capability]
-        for bind in binds:
-            bwrap += ["--ro-bind" if bind.read_only else "--bind", bind.source, bind.target]
-        # Last, once mount points are made: /dev is an in-memory filesystem without a
-        # size (Docker's holds 64 MiB), whose files no process frees when memory runs out.
-        bwrap += ["--remount-ro", "/dev"]
-        bwrap += ["python3", "-I", "-S", f"/proc/self/fd/{helper_fd}"]
-        log = os.open(state.path / "launch.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        profile = dataclasses.replace(TRIAL_PROFILE, limits=limits or Limits(), shm_bytes=shm_bytes)
         process: asyncio.subprocess.Process | None = None
         channel: Channel | None = None
         sandbox: Sandbox | None = None
         cgroup: TrialCgroup | None = None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # What the launch inherits: closed once it started, or when it failed to.
+        inherited = contextlib.ExitStack()
         try:
-            cgroup = await asyncio.to_thread(TrialCgroup.create, limits or Limits())
-            # The launch joins the cgroup first: bubblewrap and all it starts follow.
-            joins = [f"echo $$ > {_quote(str(path))}"
-                     for path in (cgroup.procs_files if cgroup else ())]
-            # A new anonymous session keyring, so that no key of harbor's session is
-            # within reach even if a key system call ever got through the filter.
-            script = " && ".join([*joins, mount, "exec keyctl session - "
-                                  + " ".join(_quote(word) for word in bwrap)])
-            process = await asyncio.create_subprocess_exec(
-                "unshare", "--mount", "--propagation", "private", "sh", "-c", script,
-                stdin=theirs.fileno(), stdout=asyncio.subprocess.DEVNULL, stderr=log,
-                pass_fds=(helper_fd, seccomp_fd, *empty_fds, info_write, state.lock_fd),
-                # Its own session: a Ctrl-C at harbor's terminal must not end the
-                # sandbox before harbor's own shutdown stops it.
-                start_new_session=True, env={"PATH": DEFAULT_PATH},
-            )
-            for fd in (helper_fd, seccomp_fd, *empty_fds, info_write):
-                os.close(fd)
-            helper_fd = seccomp_fd = info_write = -1
-            empty_fds = []
-            theirs.close()
-            channel = Channel(ours)
-            helper_pid = await _read_child_pid(info_read, process, state)
+            with contextlib.ExitStack() as launching:
+                launching.enter_context(inherited)
+                inherited.callback(theirs.close)
+                info_read, info_write = os.pipe()
+                launching.callback(os.close, info_read)
+                inherited.callback(os.close, info_write)
+                helper_fd = _read_only_memfd(program)
+                inherited.callback(os.close, helper_fd)
+                bwrap, pass_fds = bwrap_argv(
+                    profile, inherited, root=str(root), hostname=hostname, binds=binds,
+                    info_fd=info_write,
+                    command=["python3", "-I", "-S", f"/proc/self/fd/{helper_fd}"])
+                log = os.open(state.path / "launch.log",
+                              os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                launching.callback(os.close, log)
+                cgroup = await asyncio.to_thread(TrialCgroup.create, profile.limits)
+                process = await asyncio.create_subprocess_exec(
+                    "unshare", "--mount", "--propagation", "private",
+                    *launch_argv(bwrap, before=mount,
+                                 cgroup_procs=cgroup.procs_files if cgroup else ()),
+                    stdin=theirs.fileno(), stdout=asyncio.subprocess.DEVNULL, stderr=log,
+                    pass_fds=(helper_fd, *pass_fds, state.lock_fd),
+                    # Its own session: a Ctrl-C at harbor's terminal must not end the
+                    # sandbox before harbor's own shutdown stops it.
+                    start_new_session=True, env={"PATH": DEFAULT_PATH},
+                )
+                inherited.close()
+                channel = Channel(ours)
+                helper_pid = await _read_child_pid(info_read, process, state)
             try:
                 helper_pidfd = os.pidfd_open(helper_pid)
             except ProcessLookupError:
@@ -408,13 +385,6 @@ class Sandbox:
                 if cgroup is not None:
                     await asyncio.to_thread(cgroup.remove)
             raise
-        finally:
-            os.close(log)
-            theirs.close()
-            for fd in (helper_fd, seccomp_fd, *empty_fds, info_write, info_read):
-                if fd >= 0:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
 
     def open_root(self) -> int:
         """A descriptor of the sandbox's root as its processes see it, mounts included
@@ -431,25 +401,39 @@ class Sandbox:
         return fd
 
     async def _start_network(self) -> None:
+        """slirp4netns for the sandbox's network namespace, in a sandbox of its own
+        (``NETWORK_STACK_PROFILE``), and in its own ``--enable-sandbox`` and
+        ``--enable-seccomp`` within that once it is set up. It sees of the host's files
+        only its programs (/usr), the loader's cache, the host's resolv.conf (its DNS
+        forwarder reads it) and the tun device; the trial's network namespace is a
+        descriptor this process opened."""
         ready_read, ready_write = os.pipe()
-        exit_read, exit_write = os.pipe()
         try:
-            # Popen returns once the program is exec'd, as asyncio's own start does.
-            self.network = subprocess.Popen(  # noqa: ASYNC220
-                ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
-                 f"--ready-fd={ready_write}", f"--exit-fd={exit_read}",
-                 str(self.helper_pid), "tap0"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                pass_fds=(ready_write, exit_read), start_new_session=True,
-            )
-            self.network_exit_fd = exit_write
-            exit_write = -1
-        finally:
-            os.close(ready_write)
-            os.close(exit_read)
-            if exit_write >= 0:
-                os.close(exit_write)
-        try:
+            with contextlib.ExitStack() as inherited:
+                inherited.callback(os.close, ready_write)
+                exit_read, exit_write = os.pipe()
+                inherited.callback(os.close, exit_read)
+                with contextlib.ExitStack() as kept:
+                    kept.callback(os.close, exit_write)
+                    netns = self._open_namespace("net")
+                    inherited.callback(os.close, netns)
+                    slirp, binds = _network_stack()
+                    bwrap, pass_fds = bwrap_argv(
+                        NETWORK_STACK_PROFILE, inherited, hostname="slirp4netns",
+                        binds=binds, dirs=["/tmp", "/run"], command=[slirp, "--configure", "--mtu=65520",
+                                 "--disable-host-loopback", "--enable-sandbox",
+                                 "--enable-seccomp", f"--ready-fd={ready_write}",
+                                 f"--exit-fd={exit_read}", "--netns-type=path",
+                                 f"/proc/self/fd/{netns}", "tap0"])
+                    # Popen returns once the program is exec'd, as asyncio's own start does.
+                    self.network = subprocess.Popen(  # noqa: ASYNC220
+                        launch_argv(bwrap), stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                        pass_fds=(ready_write, exit_read, netns, *pass_fds),
+                        start_new_session=True, env={"PATH": DEFAULT_PATH},
+                    )
+                    kept.pop_all()
+                    self.network_exit_fd = exit_write
             ready = await _read_all(ready_read, limit=16)
         finally:
             os.close(ready_read)
@@ -457,9 +441,19 @@ class Sandbox:
             assert self.network is not None and self.network.stderr is not None
             # It said nothing on its ready descriptor: it has exited, or is exiting.
             output = await asyncio.to_thread(self.network.stderr.read, LAUNCH_LOG_TAIL)
-            detail = output.decode(errors="replace").strip()
+            lines = [line for line in output.decode(errors="replace").strip().splitlines()
+                     if not line.startswith("Joined session keyring")]
             raise unavailable(f"slirp4netns could not give the sandbox a network: "
-                              f"{detail.splitlines()[-1] if detail else 'it exited'}")
+                              f"{lines[-1] if lines else 'it exited'}")
+
+    def _open_namespace(self, kind: str) -> int:
+        """A descriptor of the helper's namespace ``kind``; raises ``RuntimeError`` once
+        the helper is gone (its pid could name another process by then)."""
+        fd = os.open(f"/proc/{self.helper_pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+        if self.helper_pidfd < 0 or select.select([self.helper_pidfd], [], [], 0)[0]:
+            os.close(fd)
+            raise RuntimeError("the sandbox's processes are gone")
+        return fd
 
     async def death(self) -> str:
         """Why the sandbox's helper is gone, for an error once its channel closed
@@ -537,6 +531,27 @@ class Sandbox:
             os.close(fd)
 
 
+@functools.cache
+def _network_stack() -> tuple[str, tuple[Bind, ...]]:
+    """slirp4netns's path, and what its sandbox shows of the host: the program and the
+    libraries it loads (/usr, and /lib* and /bin as the host has them: links into /usr
+    or directories), the loader's cache, the resolver's configuration, read-only; the
+    tun device."""
+    program = os.path.realpath(shutil.which("slirp4netns", path=DEFAULT_PATH) or "slirp4netns")
+    binds = [Bind("/usr", "/usr", read_only=True)]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            binds.append(Bind(os.readlink(top), top, link=True))
+        elif os.path.isdir(top):
+            binds.append(Bind(top, top, read_only=True))
+    if not program.startswith("/usr/"):
+        binds.append(Bind(program, program, read_only=True))
+    for path in ("/etc/ld.so.cache", "/etc/resolv.conf"):
+        if os.path.exists(path):
+            binds.append(Bind(os.path.realpath(path), path, read_only=True))
+    return program, (*binds, Bind("/dev/net/tun", "/dev/net/tun", device=True))
+
+
 # Run by the host's own python3: the helper's code object, marshalled after the magic
 # number of the interpreter that compiled it.
 _COMPILE = ("import marshal, sys; from _frozen_importlib_external import MAGIC_NUMBER; "
@@ -603,14 +618,19 @@ def _mount_namespaces(launcher: int, helper: int, helper_pidfd: int) -> list[int
 
 
 def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
-                  binds: Sequence[Bind], etc_files: dict[str, str]) -> str:
+                  binds: Sequence[Bind], etc_files: dict[str, str],
+                  storage_bytes: int | None = None) -> str:
     """Make the state's upper, work, hiding and mount-point directories, and the table
     of the overlays to mount (``fstab`` in the state directory; a parent before its
-    children, the order ``mount --all`` keeps); the command that mounts them."""
-    upper, work, root = state.path / "upper", state.path / "work", state.path / "root"
+    children, the order ``mount --all`` keeps); the command that mounts them. With
+    ``storage_bytes``, the upper and work directories are made in ``_storage.TOP`` and
+    copied into a filesystem of that size, which the table mounts over them first."""
+    base = state.path / _storage.TOP if storage_bytes is not None else state.path
+    upper, work, root = base / "upper", base / "work", state.path / "root"
     hiding = state.path / "hidden"
     make_hiding_layer(hiding, host.hidden)
     mounts: list[str] = []
+    layers: dict[str, str] = {}
     for name in ("", *host.system):
         (upper / (name or "_root")).mkdir(parents=True, exist_ok=True)
         (work / (name or "_root")).mkdir(parents=True, exist_ok=True)
@@ -622,11 +642,10 @@ def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
             lower = [str(host.skeleton)]
             if image_layer is not None:
                 lower.insert(0, str(image_layer / "_root"))
-        options = _overlay_options(lower, upper / (name or "_root"), work / (name or "_root"))
+        options = _overlay_options(lower, upper / (name or "_root"), work / (name or "_root"),
+                                   state.path, layers)
         mounts.append(f"overlay {root}/{name} overlay {options},nodev 0 0\n")
     root.mkdir(exist_ok=True)
-    # One table for one run of mount(8): a run per overlay costs a start of it each.
-    (state.path / "fstab").write_text("".join(mounts))
     for bind in binds:
         # bubblewrap makes missing mount points mode 0700; Docker makes them 0755.
         top = bind.target.strip("/").split("/")[0]
@@ -636,7 +655,12 @@ def _prepare_root(state: StateDir, host: HostLayers, image_layer: Path | None,
     for relative, text in etc_files.items():
         target = upper / "etc" / relative
         target.write_text(text)
-    return f"mount --all --fstab {_quote(str(state.path / 'fstab'))}"
+    if storage_bytes is not None:  # made last: it copies what is prepared above
+        mounts.insert(0, _storage.make(state.path, storage_bytes))
+    # One table for one run of mount(8): a run per overlay costs a start of it each. It
+    # runs in the state directory, where the overlays' relative options point.
+    (state.path / "fstab").write_text("".join(mounts))
+    return f"cd {_quote(str(state.path))} && mount --all --fstab fstab"
 
 
 def _quote(word: str) -> str:

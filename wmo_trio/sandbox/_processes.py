@@ -269,6 +269,11 @@ class Channel:
             stderr += "".join(notes).encode()
         return Completed(code, caps["stdout"].value(), stderr)
 
+    async def end_others(self) -> None:
+        """End every process of the sandbox but its helper, however it detached; once it
+        returns, none of them is left, zombies included."""
+        await self._ask({"op": "end_others"})
+
     async def prepare(self, dirs: Sequence[str], shared: Sequence[str]) -> str:
         """Make ``dirs`` and ``shared`` (with their parents) in the sandbox, as ``mkdir -p``
         does, the ``shared`` ones world-writable; the shell commands run with there

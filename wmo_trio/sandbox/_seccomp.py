@@ -10,6 +10,10 @@ system call not listed (``EPERM``), among them the kernel keyring (``add_key``,
 ``pidfd_getfd``; ``clone`` with a namespace flag; ``clone3`` with ``ENOSYS``, so that
 glibc falls back to ``clone`` whose flags the filter can read; sockets of the
 ``AF_ALG`` and ``AF_VSOCK`` families; ``personality`` other than Linux's own domains.
+Beyond Docker's profile: only the machine's own system-call ABI. A call through another
+(x86_64's i386 ``int 0x80`` or x32, arm64's 32-bit ARM) kills the process: each ABI has
+its own numbers and argument forms (i386 reaches sockets through ``socketcall``, whose
+family the filter cannot read), and nothing a task image runs here needs them.
 
 The program is compiled once per process; each sandbox gets a copy in a memfd of its own
 (bubblewrap reads its descriptor to the end, so two launches cannot share one).
@@ -111,21 +115,18 @@ BY_CAPABILITY: dict[str, tuple[str, ...]] = {
 class Machine:
     """What the profile says of one architecture (``uname -m``)."""
 
-    # The other ABIs its kernel runs (32-bit programs), by pyseccomp.Arch names: each
-    # gets the same rules (a call through one left out would be killed).
-    also: tuple[str, ...] = ()
     own_calls: tuple[str, ...] = ()
     clone_flags_arg: int = 0
 
 
 MACHINES = {
-    "x86_64": Machine(("X86", "X32"), ("arch_prctl", "modify_ldt")),
-    "aarch64": Machine(("ARM",), ("arm_fadvise64_64", "arm_sync_file_range",
-                                  "sync_file_range2", "breakpoint", "cacheflush", "set_tls")),
-    "ppc64le": Machine((), ("sync_file_range2", "swapcontext")),
-    "s390x": Machine(("S390",), ("s390_pci_mmio_read", "s390_pci_mmio_write",
-                                 "s390_runtime_instr"), clone_flags_arg=1),
-    "riscv64": Machine((), ("riscv_flush_icache",)),
+    "x86_64": Machine(("arch_prctl", "modify_ldt")),
+    "aarch64": Machine(("arm_fadvise64_64", "arm_sync_file_range", "sync_file_range2",
+                        "breakpoint", "cacheflush", "set_tls")),
+    "ppc64le": Machine(("sync_file_range2", "swapcontext")),
+    "s390x": Machine(("s390_pci_mmio_read", "s390_pci_mmio_write", "s390_runtime_instr"),
+                     clone_flags_arg=1),
+    "riscv64": Machine(("riscv_flush_icache",)),
 }
 
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID and NEWNET.
@@ -137,23 +138,24 @@ PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)
 
 
 @functools.cache
-def _compile(capabilities: frozenset[str]) -> bytes | str:
+def _compile(capabilities: frozenset[str], extra: frozenset[str]) -> bytes | str:
     """The filter's BPF program, or why this machine cannot build it."""
     try:
         import pyseccomp as seccomp
     except (ImportError, OSError, RuntimeError) as error:
         return f"libseccomp cannot be loaded ({error})"
     try:
-        return _build(seccomp, capabilities)
+        return _build(seccomp, capabilities, extra)
     except (OSError, ValueError) as error:
         return f"libseccomp could not build the sandbox's system-call filter ({error})"
 
 
-def _build(seccomp: Any, capabilities: frozenset[str]) -> bytes:
+def _build(seccomp: Any, capabilities: frozenset[str], extra: frozenset[str]) -> bytes:
     machine = MACHINES.get(os.uname().machine, Machine())
     rules = seccomp.SyscallFilter(seccomp.ERRNO(errno.EPERM))
-    for arch in machine.also:
-        rules.add_arch(getattr(seccomp.Arch, arch))
+    # The native ABI only (no add_arch): a call through another is killed, not refused,
+    # since a 32-bit program would go on past every failed call.
+    rules.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
 
     def allow(names: Iterable[str], *conditions: Any) -> None:
         for name in names:
@@ -168,6 +170,7 @@ def _build(seccomp: Any, capabilities: frozenset[str]) -> bytes:
         allow(ALLOWED_SINCE_4_8)
     for capability in sorted(capabilities):
         allow(BY_CAPABILITY.get(capability, ()))
+    allow(sorted(extra))
     if "CAP_SYS_ADMIN" not in capabilities:
         allow(["clone"], seccomp.Arg(machine.clone_flags_arg, seccomp.MASKED_EQ,
                                      NAMESPACE_FLAGS, 0))
@@ -202,25 +205,26 @@ def _kernel_at_least(*version: int) -> bool:
     return found is not None and tuple(int(part) for part in found.groups()) >= version
 
 
-def filter_problem(capabilities: Sequence[str]) -> str | None:
+def filter_problem(capabilities: Sequence[str], extra: Sequence[str] = ()) -> str | None:
     """Why no sandbox keeping ``capabilities`` can get its filter here, or None."""
-    compiled = _compile(frozenset(capabilities))
+    compiled = _compile(frozenset(capabilities), frozenset(extra))
     return compiled if isinstance(compiled, str) else None
 
 
-def filter_program(capabilities: Sequence[str]) -> bytes:
-    """The compiled filter for a sandbox keeping ``capabilities`` (see
-    :func:`filter_problem` when this raises ``RuntimeError``)."""
-    compiled = _compile(frozenset(capabilities))
+def filter_program(capabilities: Sequence[str], extra: Sequence[str] = ()) -> bytes:
+    """The compiled filter for a sandbox keeping ``capabilities`` and allowed the system
+    calls ``extra`` besides (see :func:`filter_problem` when this raises
+    ``RuntimeError``)."""
+    compiled = _compile(frozenset(capabilities), frozenset(extra))
     if isinstance(compiled, str):
         raise RuntimeError(compiled)
     return compiled
 
 
-def filter_fd(capabilities: Sequence[str]) -> int:
+def filter_fd(capabilities: Sequence[str], extra: Sequence[str] = ()) -> int:
     """A new descriptor holding the compiled filter from its start, for ``--seccomp``;
     the caller closes it."""
-    program = filter_program(capabilities)
+    program = filter_program(capabilities, extra)
     fd = os.memfd_create("wmo-trio-seccomp", os.MFD_CLOEXEC)
     try:
         if os.write(fd, program) != len(program):

@@ -1,0 +1,227 @@
+"""`wmo-trio race` on real harbor jobs (issue 37): generated tasks in the docker-free
+environment, candidates whose agent code (`code:runtime`, run in-process with
+`--backend local`) passes each task at a set rate, chosen per task by a hash of its
+instruction. One race, shared by the module, holds the edge cases that need trials: a
+candidate whose trials all fail before its program runs, a task whose build fails for
+everyone. The refusals run nothing; Ctrl-C runs a race of its own in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_readme import blocks, make_clone, run_as_written
+from typer.testing import CliRunner
+
+from wmo_trio.cli import app
+from wmo_trio.compare import compare_jobs, load_jobs
+from wmo_trio.harness import load_harness
+from wmo_trio.race import RaceReport
+from wmo_trio.race._harbor import read_race
+
+ROOT = Path(__file__).resolve().parent.parent
+HELLO = ROOT / "examples" / "tasks" / "hello-file"
+ENV = "wmo_trio.harbor:LocalEnvironment"
+TASKS = 10
+# docs/race.md's example: it runs here as written, from a clone's layout.
+[EXAMPLE] = [b for b in blocks(ROOT / "docs" / "race.md")
+             if b.lang == "sh" and "wmo-trio race" in b.body]
+
+PROGRAM = """import hashlib
+ANSWER = {answer!r}
+{preamble}
+RATE = {rate}
+
+
+def run(kit):
+    share = int(hashlib.sha256(kit.instruction.encode()).hexdigest()[:8], 16) / 2**32
+    {pause}
+    if share < RATE:
+        kit.execute("write_file", {{"path": ANSWER, "content": "ok\\n"}})
+    kit.execute("submit", {{"answer": "done"}})
+"""
+
+
+def candidate(directory: Path, name: str, rate: float, *, broken: bool = False,
+              pause: float = 0.0, answer: str = "/app/answer.txt") -> Path:
+    """A document whose program passes a task when the task's hash falls under `rate`;
+    `broken`: its program raises as it loads, before `run` is called."""
+    code = PROGRAM.format(rate=rate, answer=answer, preamble='raise RuntimeError("broken at load")'
+                          if broken else "",
+                          pause=f'kit.execute("bash", {{"command": "sleep {pause}"}})'
+                          if pause else "pass")
+    doc = {"name": name, "surfaces": [
+        {"id": "prompt:core", "kind": "prompt", "content": f"Candidate {name}."},
+        {"id": "code:runtime", "kind": "code", "content": code}]}
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def make_tasks(root: Path, count: int, *, broken_build: bool = False) -> Path:
+    """`count` tasks asking for /app/answer.txt, each instruction its own; and one whose
+    image cannot be built."""
+    for i in range(count):
+        task = root / f"answer-{i:02d}"
+        shutil.copytree(HELLO, task)
+        (task / "instruction.md").write_text(f"Task {i}: write `ok` to /app/answer.txt.\n")
+        (task / "tests" / "test.sh").write_text(
+            "#!/bin/sh\nmkdir -p /logs/verifier\n"
+            "if [ \"$(cat /app/answer.txt 2>/dev/null)\" = ok ]; then echo 1; else echo 0; fi"
+            " > /logs/verifier/reward.txt\n")
+    if broken_build:
+        task = root / "unbuildable"
+        shutil.copytree(HELLO, task)
+        with (task / "environment" / "Dockerfile").open("a") as dockerfile:
+            dockerfile.write("RUN exit 3\n")
+    return root
+
+
+def race_args(jobs: Path, tasks: Path, *docs: Path, name: str = "race") -> list[str]:
+    args = ["race", "-p", str(tasks), "-o", str(jobs), "--job-name", name, "-e", ENV,
+            "--backend", "local", "-n", "4"]
+    for doc in docs:
+        args += ["--harness", str(doc)]
+    return args
+
+
+@pytest.fixture(scope="module")
+def raced(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, RaceReport, dict[str, str]]:
+    root = tmp_path_factory.mktemp("race")
+    tasks = make_tasks(root / "tasks", TASKS, broken_build=True)
+    docs = {"good": candidate(root, "good", 1.0), "poor": candidate(root, "poor", 0.0),
+            "broken": candidate(root, "broken", 1.0, broken=True)}
+    result = CliRunner().invoke(app, [*race_args(root / "jobs", tasks, *docs.values()),
+                                      "--alpha", "0.3", "--seed", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    report = RaceReport.model_validate_json(result.stdout)
+    hashes = {name: load_harness(path).doc_hash for name, path in docs.items()}
+    return root / "jobs" / "race", report, hashes
+
+
+@pytest.mark.harbor
+def test_a_race_drops_the_worse_candidates_and_saves_trials(
+    raced: tuple[Path, RaceReport, dict[str, str]],
+) -> None:
+    job, report, hashes = raced
+    status = {c.key: c for c in report.candidates}
+    assert status[hashes["good"]].status == "survived"
+    assert status[hashes["poor"]].status == "dropped"
+    assert status[hashes["poor"]].behind == hashes["good"]
+    assert report.stop_reason == "one candidate left" and report.finished
+    assert report.trials < report.full_trials == 3 * (TASKS + 1)
+    assert report.trials_saved == report.full_trials - report.trials
+    assert status[hashes["good"]].mean_reward == 1.0
+    assert status[hashes["poor"]].mean_reward == 0.0
+    # Every trial the race counted is an ordinary harbor trial of the job directory.
+    assert len(load_jobs([job])) == report.trials
+    assert read_race(job) == report
+
+
+@pytest.mark.harbor
+def test_a_candidate_whose_program_fails_before_it_acts_is_counted_zero_and_dropped(
+    raced: tuple[Path, RaceReport, dict[str, str]],
+) -> None:
+    _, report, hashes = raced
+    job, report, hashes = raced
+    broken = next(c for c in report.candidates if c.key == hashes["broken"])
+    assert broken.status == "dropped" and broken.mean_reward == 0.0 and broken.trials > 0
+    # Its program raised as it loaded: each episode ended in error, and the verifier
+    # scored what it left (nothing): 0, as the race counts it.
+    results = [json.loads(f.read_text()) for f in job.glob("*/result.json")]
+    stops = {r["agent_result"]["metadata"]["stop_reason"] for r in results
+             if r["config"]["agent"]["kwargs"]["harness"].endswith("broken.json")
+             and r["task_name"] != "unbuildable"}
+    assert stops == {"error"}
+
+
+@pytest.mark.harbor
+def test_a_task_whose_build_fails_for_everyone_is_left_out_and_said(
+    raced: tuple[Path, RaceReport, dict[str, str]],
+) -> None:
+    _, report, _ = raced
+    # The seed puts it second in the order, before the race can end.
+    assert [t.task for t in report.left_out] == ["unbuildable"]
+    assert "no trial of it has a reward" in report.left_out[0].reason
+    assert "unbuildable" not in report.task_order and len(report.task_order) >= 2
+
+
+@pytest.mark.harbor
+def test_compare_reads_a_race_as_any_job(
+    raced: tuple[Path, RaceReport, dict[str, str]],
+) -> None:
+    job, report, hashes = raced
+    compared = compare_jobs([job])
+    good = next(c for c in compared.candidates if c.doc_hash == hashes["good"])
+    raced_good = next(c for c in report.candidates if c.key == hashes["good"])
+    # Tasks, not trials: a trial that failed before its agent ran (the unbuildable task)
+    # carries no doc_hash, and compare keys it by the agent's arguments instead.
+    assert (good.tasks, good.mean_reward) == (raced_good.tasks, raced_good.mean_reward)
+    assert json.loads((job / "result.json").read_text())["n_total_trials"] == report.trials
+
+
+def test_two_identical_documents_are_refused_as_one_candidate(tmp_path: Path) -> None:
+    doc = ROOT / "examples" / "harness.json"
+    copy = shutil.copy(doc, tmp_path / "same.json")
+    result = CliRunner().invoke(app, race_args(tmp_path / "jobs", tmp_path, doc, Path(copy)))
+    assert result.exit_code == 2
+    assert "are one candidate" in result.output and "give each candidate once" in result.output
+    assert not (tmp_path / "jobs").exists()
+
+
+def test_one_candidate_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, race_args(tmp_path / "jobs", tmp_path,
+                                               ROOT / "examples" / "harness.json"))
+    assert result.exit_code == 2 and "at least two different candidates" in result.output
+    assert not (tmp_path / "jobs").exists()
+
+
+@pytest.mark.harbor
+def test_ctrl_c_leaves_a_job_directory_that_reads_as_the_race_so_far(tmp_path: Path) -> None:
+    tasks = make_tasks(tmp_path / "tasks", 8)
+    docs = [candidate(tmp_path, "slow-a", 0.5, pause=3), candidate(tmp_path, "slow-b", 0.5,
+                                                                     pause=3)]
+    command = [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, "
+               "signal.SIG_DFL); from wmo_trio.cli import main; sys.argv[0] = 'wmo-trio'; "
+               "main()", *race_args(tmp_path / "jobs", tasks, *docs), "--alpha", "0.01"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "COLUMNS": "200"})
+    race_file = tmp_path / "jobs" / "race" / "race.json"
+    deadline = time.monotonic() + 240
+    try:
+        while not (race_file.is_file() and read_race(race_file.parent).rounds >= 1):
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the first round never finished"
+            time.sleep(0.2)
+        time.sleep(1.0)  # into the second round
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, stderr
+    assert "reads as the race so far" in stderr
+    report = read_race(race_file.parent)
+    assert (report.finished, report.stop_reason) == (False, "interrupted")
+    assert report.rounds >= 1 and report.note is not None
+    # The directory is a harbor job still: its finished trials, the round cut short too.
+    records = load_jobs([race_file.parent])
+    assert len(records) >= report.trials
+    assert json.loads((race_file.parent / "result.json").read_text())["finished_at"] is None
+
+
+@pytest.mark.harbor
+def test_the_docs_example_races_the_bundled_candidates(tmp_path: Path) -> None:
+    clone = make_clone(tmp_path)
+    completed = run_as_written(EXAMPLE, clone)
+    report = read_race(clone / "jobs" / "race")
+    assert report.finished and len(report.candidates) == 3
+    assert "trials:" in completed.stdout and "job directory:" in completed.stdout

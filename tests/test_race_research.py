@@ -1,0 +1,103 @@
+"""The race's ledger (rewards, left-out tasks, budget, order) and the research API's
+`race` over real episodes of `open_episode_pool` (issue 37)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+from test_race_jobs import candidate
+
+from wmo_trio import LocalProcessEnvironment, load_harness
+from wmo_trio.models import RunResult
+from wmo_trio.race import Attempt, RaceError, RaceLedger, RaceTask, race, race_rounds, task_order
+from wmo_trio.research import TrioEnvironment
+
+
+def test_an_unscored_attempt_counts_zero_unless_the_task_has_no_reward_at_all() -> None:
+    ledger = RaceLedger({"a": "A", "b": "B"}, ["t1", "t2"], alpha=0.1)
+    played = ledger.next_round(2)
+    assert played is not None and played.tasks == ("t1", "t2")
+    ledger.record(played, {
+        ("a", "t1"): [Attempt(1.0)], ("b", "t1"): [Attempt(None, "RuntimeError")],
+        ("a", "t2"): [Attempt(None, "BuildError")], ("b", "t2"): [Attempt(None, "BuildError")],
+    })
+    report = ledger.report()
+    assert report.task_order == ["t1"]
+    assert [(t.task, "BuildError" in t.reason) for t in report.left_out] == [("t2", True)]
+    a, b = report.candidates
+    assert (a.mean_reward, b.mean_reward, b.unscored, b.errors) == (1.0, 0.0, 2, 2)
+    assert ledger.next_round(2) is None and report.trials == 4
+
+
+def test_the_trial_budget_shortens_and_ends_the_race() -> None:
+    ledger = RaceLedger({"a": "A", "b": "B", "c": "C"}, [f"t{i}" for i in range(10)],
+                        alpha=0.05, attempts=2, max_trials=15)
+    played = ledger.next_round(4)
+    assert played is not None and len(played.tasks) == 2  # 3 candidates x 2 attempts x 2 = 12
+    ledger.record(played, {(k, t): [Attempt(0.5), Attempt(0.5)] for k in played.candidates
+                           for t in played.tasks})
+    assert ledger.next_round(4) is None and ledger.stop_reason == "trial budget"
+    assert ledger.report().share == pytest.approx(12 / 60)
+
+
+def test_the_task_order_depends_on_the_seed_not_on_the_listing() -> None:
+    tasks = [f"t{i}" for i in range(20)]
+    assert task_order(tasks, 3) == task_order(list(reversed(tasks)), 3)
+    assert task_order(tasks, 3) != task_order(tasks, 4)
+
+
+def test_a_race_needs_two_candidates() -> None:
+    with pytest.raises(RaceError, match="at least two different candidates"):
+        RaceLedger({"a": "A"}, ["t"])
+
+
+def answered(environment: TrioEnvironment, result: RunResult) -> float:
+    assert isinstance(environment, LocalProcessEnvironment)
+    answer = environment.workdir / "answer.txt"
+    return float(answer.is_file() and answer.read_text() == "ok\n")
+
+
+def research_tasks(root: Path, count: int) -> list[RaceTask]:
+    def fresh(name: str) -> LocalProcessEnvironment:
+        workdir = root / name / str(len(list((root / name).glob("*"))))
+        workdir.mkdir(parents=True)
+        return LocalProcessEnvironment(workdir)
+
+    for i in range(count):
+        (root / f"task-{i}").mkdir(parents=True)
+    return [RaceTask(f"task-{i}", f"Task {i}: write ok to answer.txt.",
+                     lambda i=i: fresh(f"task-{i}"), answered) for i in range(count)]
+
+
+async def test_the_research_race_drops_the_worse_over_real_episodes(tmp_path: Path) -> None:
+    docs = [candidate(tmp_path, name, rate, answer="answer.txt")
+            for name, rate in (("good", 1.0), ("poor", 0.0), ("also-poor", 0.0))]
+    rounds = []
+    async for report in race_rounds([load_harness(d) for d in docs],
+                                    research_tasks(tmp_path / "tasks", 12),
+                                    provider={"kind": "scripted", "model": "offline"},
+                                    alpha=0.3, limit=6, backend="local"):
+        rounds.append(report)
+    final = rounds[-1]
+    assert final.finished and final.stop_reason == "one candidate left"
+    assert [c.status for c in final.candidates] == ["survived", "dropped", "dropped"]
+    assert final.trials < final.full_trials == 36
+    assert [r.rounds for r in rounds] == list(range(1, len(rounds) + 1))
+
+
+async def test_a_research_race_refuses_one_document_given_twice(tmp_path: Path) -> None:
+    doc = load_harness(candidate(tmp_path, "same", 1.0, answer="answer.txt"))
+    with pytest.raises(RaceError, match="one doc_hash"):
+        await race([doc, doc], research_tasks(tmp_path / "tasks", 2),
+                   provider={"kind": "scripted", "model": "offline"})
+
+
+async def test_cancelling_a_research_race_stops_its_episodes(tmp_path: Path) -> None:
+    docs = [load_harness(candidate(tmp_path, n, 0.5, pause=30, answer="answer.txt"))
+            for n in ("slow-a", "slow-b")]
+    with trio.move_on_after(3) as scope:
+        await race(docs, research_tasks(tmp_path / "tasks", 4),
+                   provider={"kind": "scripted", "model": "offline"}, backend="local")
+    assert scope.cancelled_caught

@@ -1,0 +1,55 @@
+"""Running explicit harbor trials into a job directory: the seam a race runs its rounds
+through.
+
+A `TrialRunner` takes harbor `TrialConfig`s (each names its `trials_dir`: the job
+directory) and returns their `TrialResult`s in the same order, each trial written by
+harbor's own `Trial` as in any job (`<job>/<trial>/result.json`, the agent's logs). This
+module's `run_trials_here` runs them in this process with harbor's `TrialQueue` (its
+concurrency bound, retries and hooks) on trio-asyncio's loop. Another runner (on Ray
+workers, say) only has to keep the same contract: same order, same files, and on
+cancellation the trials stopped and waited for before it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+from wmo_trio.engine import run_asyncio
+
+# A callback for harbor's trial events (`TrialHookEvent`), run on harbor's loop.
+TrialWatcher = Callable[[Any], Awaitable[None]]
+
+
+class TrialRunner(Protocol):
+    async def __call__(self, configs: Sequence[Any], *, concurrency: int,
+                       watch: TrialWatcher | None = None) -> list[Any]:
+        """Run `configs` (harbor `TrialConfig`s), at most `concurrency` at a time, and
+        return their `TrialResult`s in order; `watch` sees every trial event."""
+        ...
+
+
+async def run_trials_here(configs: Sequence[Any], *, concurrency: int,
+                          watch: TrialWatcher | None = None) -> list[Any]:
+    """From trio: run harbor trials in this process with harbor's `TrialQueue` and return
+    their results in the order of `configs`.
+
+    Cancelling the calling trio scope cancels the trials: harbor records each as
+    cancelled (`CancelledError` in its result.json) and stops its environment, and this
+    returns only after every one has finished doing so.
+    """
+    from harbor.trial.hooks import TrialEvent
+    from harbor.trial.queue import TrialQueue
+
+    async def run_all() -> list[Any]:
+        import asyncio
+
+        queue = TrialQueue(n_concurrent=concurrency)
+        if watch is not None:
+            for event in TrialEvent:
+                queue.add_hook(event, watch)
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(coro) for coro in queue.submit_batch(list(configs))]
+        return [task.result() for task in tasks]
+
+    return await run_asyncio(run_all)

@@ -1,0 +1,106 @@
+"""Simulated races: how often the rule errs and what it saves, under a stated model.
+
+The model (docs/race.md, "How it was checked"): each race draws its own tasks. Task t's
+difficulty for candidate i is z[t, i] = sqrt(rho) * u[t] + sqrt(1 - rho) * e[t, i] (u, e
+standard normal), so rho is the correlation of a task's difficulty between candidates
+(1: a task hard for one is as hard for all; 0: independent). Candidate i passes an attempt
+of task t with probability Phi(a_i + spread * z[t, i]), a_i chosen so its mean over tasks
+is `means[i]` (E Phi(a + s z) = Phi(a / sqrt(1 + s^2))); attempts are independent given
+the task, and a task's score is the mean of its `attempts` pass/fail rewards. The tasks
+come in a random order (they are drawn independently), in rounds of `batch` tasks, every
+running candidate on every task of a round: the race's own code (`Elimination`) decides.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from wmo_trio.race._elimination import Elimination, Verdict
+from wmo_trio.race._sequential import Bools, Floats, Ints
+
+
+@dataclass(frozen=True)
+class Scenario:
+    means: tuple[float, ...]
+    tasks: int = 200
+    attempts: int = 1
+    correlation: float = 0.0
+    spread: float = 1.5
+    batch: int = 5
+    alpha: float = 0.05
+    baseline: int | None = None
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """Per race: whether any declaration was false, whether a best candidate was dropped
+    (a race) or a candidate declared worse than a baseline it is not worse than, and the
+    share of the full evaluation's trials it ran."""
+
+    false_declaration: Bools
+    best_dropped: Bools
+    share: Floats
+    tasks_run: Ints
+
+    @property
+    def races(self) -> int:
+        return len(self.share)
+
+
+def scores(scenario: Scenario, races: int, rng: np.random.Generator) -> Floats:
+    """Per-task scores `[race, task, candidate]` under the scenario's model."""
+    count = len(scenario.means)
+    rho, spread = scenario.correlation, scenario.spread
+    from scipy.special import ndtr, ndtri
+
+    shift = ndtri(np.asarray(scenario.means, dtype=np.float64)) * math.sqrt(1 + spread ** 2)
+    shared = rng.standard_normal((races, scenario.tasks, 1))
+    own = rng.standard_normal((races, scenario.tasks, count))
+    difficulty = math.sqrt(rho) * shared + math.sqrt(1 - rho) * own
+    p = ndtr(shift + spread * difficulty)
+    passes = rng.binomial(scenario.attempts, p)
+    result: Floats = passes / scenario.attempts
+    return result
+
+
+def simulate(scenario: Scenario, races: int, seed: int) -> Simulated:
+    """`races` seeded races of the scenario, all at once."""
+    rng = np.random.default_rng(seed)
+    data = scores(scenario, races, rng)
+    count = len(scenario.means)
+    rule = Elimination(races, count, alpha=scenario.alpha, baseline=scenario.baseline)
+    done = 0
+    while done < scenario.tasks and rule.active.any():
+        for t in range(done, min(done + scenario.batch, scenario.tasks)):
+            rule.observe(data[:, t, :])
+        done = min(done + scenario.batch, scenario.tasks)
+        rule.end_round()
+    rule.finish()
+    means = np.asarray(scenario.means)
+    if scenario.baseline is None:
+        best = np.isclose(means, means.max())
+        worse = rule.verdicts == Verdict.WORSE
+        false = (worse & best).any(axis=-1)
+        best_dropped = false
+    else:
+        base = means[scenario.baseline]
+        worse = rule.verdicts == Verdict.WORSE
+        better = rule.verdicts == Verdict.BETTER
+        false_worse = (worse & (means >= base - 1e-12)).any(axis=-1)
+        false_better = (better & (means <= base + 1e-12)).any(axis=-1)
+        false = false_worse | false_better
+        best_dropped = false_worse
+    share = rule.tasks.sum(axis=-1) / (count * scenario.tasks)
+    return Simulated(false_declaration=false, best_dropped=best_dropped, share=share,
+                     tasks_run=rule.tasks)
+
+
+def binomial_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) interval of a rate, by scipy."""
+    from scipy.stats import binomtest
+
+    ci = binomtest(successes, trials).proportion_ci(confidence_level=confidence, method="exact")
+    return float(ci.low), float(ci.high)
