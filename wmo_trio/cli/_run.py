@@ -18,6 +18,7 @@ from rich.text import Text
 
 import wmo_trio
 from wmo_trio.budgets import DEFAULT_COMMAND_TIMEOUT_SEC, DEFAULT_EPISODE_TIMEOUT_SEC
+from wmo_trio.models import StopReason
 
 LOCAL_ENVIRONMENT = "wmo_trio.harbor:LocalEnvironment"
 AGENT_IMPORT_PATH = "wmo_trio.harbor:WmoTrioHarborAgent"
@@ -206,8 +207,11 @@ class TrialRow:
 
     @property
     def errored(self) -> bool:
-        """Any other exception: the trial broke (infrastructure, the agent, the verifier)."""
-        return self.exception is not None and not self.timed_out
+        """Any other exception (the trial broke: infrastructure, the agent, the verifier),
+        or an episode that ended in ``error`` (the document's code or the episode raised,
+        and the agent still returned): ``compare``'s ``errors`` counts the same."""
+        return ((self.exception is not None and not self.timed_out)
+                or self.stop_reason == StopReason.ERROR)
 
 
 def _seconds(start: str | None, end: str | None) -> float | None:
