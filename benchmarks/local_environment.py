@@ -61,7 +61,7 @@ async def _start_stop(n_trials: int, scratch: Path) -> dict[str, Any]:
     from harbor.models.trial.paths import TrialPaths
 
     from wmo_trio.harbor import LocalEnvironment
-    from wmo_trio.sandbox._namespace import wait_for_removals
+    from wmo_trio.sandbox import wait_for_removals
 
     variants: dict[str, int | None] = {"plain": None, "storage": STORAGE_MB}
     samples = {name: {"start": [], "stop": [], "total": []} for name in variants}

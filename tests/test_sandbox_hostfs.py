@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from wmo_trio.sandbox import _transfer
+from wmo_trio.sandbox._errors import TransferIncomplete
 from wmo_trio.sandbox._hostfs import (
     FileTooLarge,
     kernel_filesystem,
@@ -31,7 +32,7 @@ from wmo_trio.sandbox._hostfs import (
     safe_mode,
     tree_size,
 )
-from wmo_trio.sandbox._transfer import TransferIncomplete, TransferLimits
+from wmo_trio.sandbox._transfer import TransferLimits
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="openat2 is Linux's")
 

@@ -43,7 +43,7 @@ from wmo_trio.sandbox._cgroup import (
     host_cgroups,
     remove_stale_cgroups,
 )
-from wmo_trio.sandbox._processes import ChannelClosed
+from wmo_trio.sandbox._errors import ChannelClosed
 
 HOST = host_cgroups()
 

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 
 from wmo_trio._lazy import lazy_exports
 from wmo_trio.sandbox._cgroup import Limits, TrialCgroup
-from wmo_trio.sandbox._dockerfile import DockerfileError
-from wmo_trio.sandbox._image import BuildError, CachedImage, ImageCache, default_cache_dir
-from wmo_trio.sandbox._namespace import SandboxUnavailableError
+from wmo_trio.sandbox._errors import BuildError, DockerfileError, SandboxUnavailableError
+from wmo_trio.sandbox._hostfs import remove_tree
+from wmo_trio.sandbox._image import CachedImage, ImageCache, default_cache_dir
 from wmo_trio.sandbox._profile import (
     TRIAL_PROFILE,
     Bind,
@@ -40,6 +40,7 @@ from wmo_trio.sandbox._profile import (
     launch_argv,
     profile_problem,
 )
+from wmo_trio.sandbox._state import wait_for_removals
 
 if TYPE_CHECKING:
     from wmo_trio.sandbox._environment import LocalEnvironment
@@ -60,6 +61,8 @@ __all__ = [
     "default_cache_dir",
     "launch_argv",
     "profile_problem",
+    "remove_tree",
+    "wait_for_removals",
 ]
 
 __getattr__ = lazy_exports(__name__, {"LocalEnvironment": "wmo_trio.sandbox._environment"})

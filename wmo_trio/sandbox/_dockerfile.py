@@ -10,17 +10,15 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-__all__ = ["DockerfileError", "Heredoc", "Instruction", "Stage", "build_plan", "expand", "parse"]
+from wmo_trio.sandbox._errors import DockerfileError
+
+__all__ = ["Heredoc", "Instruction", "Stage", "build_plan", "expand", "parse"]
 
 # Instructions that change nothing a running trial sees.
 IGNORED = frozenset({"EXPOSE", "LABEL", "MAINTAINER", "STOPSIGNAL", "HEALTHCHECK", "VOLUME",
                      "ONBUILD"})
 SUPPORTED = frozenset({"FROM", "RUN", "COPY", "ADD", "ENV", "ARG", "WORKDIR", "USER",
                        "ENTRYPOINT", "CMD", "SHELL"}) | IGNORED
-
-
-class DockerfileError(ValueError):
-    """The Dockerfile cannot be read or built here; the message names the line."""
 
 
 @dataclass(frozen=True)

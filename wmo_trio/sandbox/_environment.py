@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fnmatch
 import hashlib
 import json
 import logging
-import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
@@ -28,22 +28,15 @@ from harbor.utils.path_filter import filter_paths_by_patterns
 
 from wmo_trio.sandbox import _storage, _transfer
 from wmo_trio.sandbox._cgroup import Limits, host_cgroups, remove_stale_cgroups
-from wmo_trio.sandbox._dockerfile import DockerfileError
-from wmo_trio.sandbox._hostfs import remove_tree
+from wmo_trio.sandbox._errors import ChannelClosed, DockerfileError, SpawnFailed, unavailable
 from wmo_trio.sandbox._image import Image, ImageCache, ImageConfig, default_cache_dir
-from wmo_trio.sandbox._namespace import (
-    DEFAULT_PATH,
-    Bind,
-    Sandbox,
-    StateDir,
-    default_state_root,
-    missing_tools,
-    remove_stale_states,
-    unavailable,
-)
-from wmo_trio.sandbox._processes import ChannelClosed, SpawnFailed
+from wmo_trio.sandbox._namespace import LAUNCH_LOG, Sandbox, missing_tools
+from wmo_trio.sandbox._overlay import SandboxRoot
+from wmo_trio.sandbox._profile import DEFAULT_PATH, TRIAL_PROFILE, Bind
 from wmo_trio.sandbox._reward import download_reward_files, excluding_rewards
 from wmo_trio.sandbox._rootfs import HostLayers, host_layers
+from wmo_trio.sandbox._state import StateDir, default_state_root, remove_stale_states
+from wmo_trio.sandbox._threads import made_in_thread
 
 __all__ = ["LocalEnvironment"]
 
@@ -149,13 +142,13 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         self._pids_limit = _count("pids_limit", pids_limit, minimum=0, zero="no cap")
         self._shm_size_mb = _count("shm_size_mb", shm_size_mb, minimum=1)
         self._sandbox: Sandbox | None = None
+        # What the running trial holds (its sandbox and directory, the image's and host
+        # layers' leases, its ENTRYPOINT), from its start to its stop.
+        self._held = contextlib.AsyncExitStack()
         self._started = False  # a sandbox ran, whether or not it still does
         self._said_not_started = False
-        self._image: Image | None = None
-        self._host: HostLayers | None = None  # held (leased) from start to stop
         self._config = ImageConfig()
         self._shell = "sh"
-        self._entrypoint_task: asyncio.Task[None] | None = None
         super().__init__(*args, **kwargs)
 
     @staticmethod
@@ -289,26 +282,25 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         reason = missing_tools()
         if reason is not None:
             raise unavailable(reason)
-        finding = asyncio.ensure_future(asyncio.to_thread(self._sweep_and_find_layers))
-        try:
-            host = await asyncio.shield(finding)
-        except asyncio.CancelledError:  # the thread goes on: its lease is let go after it
-            finding.add_done_callback(_release_found)
-            raise
-        image: Image | None = None
-        state: StateDir | None = None
-        try:
+        # What the trial holds from here to its stop, in the order it is let go there.
+        async with contextlib.AsyncExitStack() as on_fail:
+            host = await made_in_thread(self._sweep_and_find_layers, HostLayers.release)
+            on_fail.callback(host.release)
+            image: Image | None = None
             if (self.environment_dir / "Dockerfile").is_file():
                 if force_build:
                     self.logger.debug("force_build: the cached image is reused; prune the "
                                       "cache (wmo-trio sandbox prune) to rebuild it")
                 image = await self._build_image(host)
+                on_fail.callback(image.release)
                 self._config = image.config
                 self._warn_about_sudo(image)
             elif self.task_env_config.docker_image:
                 self.logger.debug("docker_image %s: the host's userland stands in for it",
                                   self.task_env_config.docker_image)
-            state, binds = await asyncio.to_thread(self._state_and_binds)
+            state, binds = await made_in_thread(self._state_and_binds,
+                                                lambda made: made[0].close())
+            await on_fail.enter_async_context(state)
             hostname = hashlib.sha256(self.session_id.encode()).hexdigest()[:12]
             etc = {"hostname": f"{hostname}\n",
                    "hosts": f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
@@ -316,25 +308,15 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             if self._network:
                 etc["resolv.conf"] = "nameserver 10.0.2.3\n"
             limits, storage_bytes = self._limits()
-            self._sandbox = await Sandbox.launch(
-                state=state, host=host, image_layer=image.layer if image else None,
-                network=self._network, hostname=hostname, binds=binds, etc_files=etc,
-                limits=limits, shm_bytes=self._shm_bytes(limits), storage_bytes=storage_bytes,
-            )
-            self._image, self._host = image, host
+            root = SandboxRoot(host, image.layer if image else None, tuple(binds), etc,
+                               storage_bytes)
+            profile = dataclasses.replace(TRIAL_PROFILE, limits=limits,
+                                          shm_bytes=self._shm_bytes(limits))
+            self._sandbox = await on_fail.enter_async_context(await Sandbox.launch(
+                state, root, hostname=hostname, network=self._network, profile=profile))
             self._started = True
-            await self._prepare()
-        except BaseException:
-            sandbox, self._sandbox = self._sandbox, None
-            if sandbox is not None:
-                await sandbox.stop()
-            if state is not None:
-                await asyncio.to_thread(state.remove)
-            if image is not None:
-                image.release()
-            host.release()
-            self._image = self._host = None
-            raise
+            await self._prepare(on_fail)
+            self._held = on_fail.pop_all()
         await self._upload_environment_dir_after_start()
 
     def _sweep_and_find_layers(self) -> HostLayers:
@@ -350,12 +332,11 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         return host_layers(self._cache.root, self._hidden_paths())
 
     def _state_and_binds(self) -> tuple[StateDir, list[Bind]]:
-        state = StateDir.create(self._state_root, self.session_id)
-        try:
-            return state, self._binds()
-        except BaseException:
-            state.remove()
-            raise
+        with contextlib.ExitStack() as on_fail:
+            state = on_fail.enter_context(StateDir.create(self._state_root, self.session_id))
+            binds = self._binds()
+            on_fail.pop_all()
+        return state, binds
 
     async def _build_image(self, host: Any) -> Image:
         log_path = self.trial_paths.trial_dir / BUILD_LOG
@@ -408,9 +389,10 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
     def _default_workdir(self) -> str:
         return self.task_env_config.workdir or self._config.workdir or "/"
 
-    async def _prepare(self) -> None:
+    async def _prepare(self, held: contextlib.AsyncExitStack) -> None:
         """Create the working directory and world-writable mount targets (as Docker's
-        start does), pick the shell, start the ENTRYPOINT."""
+        start does), pick the shell, start the ENTRYPOINT (``held`` waits for its end,
+        once the sandbox stopped)."""
         sandbox = self._require_sandbox()
         # Harbor's log directories are there even when harbor named no mounts (it names
         # them for its trials; an environment made on its own gets them too).
@@ -427,9 +409,14 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             shell_form = entrypoint[: len(shell)] == shell and len(entrypoint) == len(shell) + 1
             argv = entrypoint if shell_form else entrypoint + KEEPALIVE
             log = (self.trial_paths.trial_dir / ENTRYPOINT_LOG).open("a", encoding="utf-8")
-            self._entrypoint_task = asyncio.get_running_loop().create_task(
-                self._run_entrypoint(argv, log)
-            )
+            task = asyncio.get_running_loop().create_task(self._run_entrypoint(argv, log))
+
+            async def ended() -> None:  # the container's main process ends with it
+                await sandbox.stop()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+            held.push_async_callback(ended)
 
     async def _run_entrypoint(self, argv: list[str], log: Any) -> None:
         """The container's main process: it runs until the trial stops. Its output
@@ -457,38 +444,26 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         ``delete`` is false, in which case they are kept for inspection. Once it
         returns, no process of the trial runs; the directories go in a thread of their
         own meanwhile, which this process waits for at its exit
-        (``wmo_trio.sandbox._namespace.wait_for_removals``).
+        (``wmo_trio.sandbox.wait_for_removals``).
 
         Safe to call twice or without ``start``.
         """
         sandbox, self._sandbox = self._sandbox, None
-        image, self._image = self._image, None
-        host, self._host = self._host, None
-        if sandbox is None:
-            if host is not None:
-                host.release()
-            return
-        try:
+        held, self._held = self._held, contextlib.AsyncExitStack()
+        # Whatever happens here, the rest of what the trial holds is let go at the end,
+        # in the reverse of the start's order: the ENTRYPOINT, the sandbox, its state
+        # directory (removed if not handed on), the image's lease, the host layers'.
+        async with held:
+            if sandbox is None:
+                return
             await sandbox.stop(linger=delete)
-            task, self._entrypoint_task = self._entrypoint_task, None
-            if task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
             if delete:
                 # There too: slirp4netns's exit, and the overlays' unmounting before
                 # their directories go.
-                sandbox.state.remove_later(first=sandbox.finish)
+                sandbox.state.remove_later(first=sandbox.take_leftovers().close)
             else:
                 kept = await asyncio.to_thread(_keep, sandbox.state)
                 self.logger.info("Kept the trial's filesystem changes in %s", kept)
-        finally:
-            if sandbox.unfinished and not sandbox.state.removing:
-                # A stop that failed: nothing is left behind (off the loop: it waits).
-                await asyncio.to_thread(sandbox.finish)
-            if image is not None:
-                image.release()
-            if host is not None:
-                host.release()
 
     def _require_sandbox(self) -> Sandbox:
         if self._sandbox is None:
@@ -631,11 +606,6 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         outcome.check()
 
 
-def _release_found(finding: asyncio.Future[HostLayers]) -> None:
-    if not finding.cancelled() and finding.exception() is None:
-        finding.result().release()
-
-
 def _positive(name: str, value: float | str | None, default: float) -> float:
     if value is None:
         return default
@@ -687,12 +657,5 @@ def _keep(state: StateDir) -> Path:
     """Keep a stopped trial's upper directories as ``kept-<name>/`` beside the others,
     out of reach of the stale-state cleanup, and drop the rest; where they are (with
     storage_mb, the filesystem image whose ``upper/`` they are)."""
-    kept = state.path.with_name("kept-" + state.path.name)
-    for scratch in ("work", "root", "hidden", "launch.log", _storage.TOP):
-        remove_tree(state.path / scratch)
-    os.rename(state.path, kept)
-    state.path = kept
-    with contextlib.suppress(FileNotFoundError):
-        state.lock_path.unlink()
-    os.close(state.lock_fd)
+    kept = state.keep(drop=("work", "root", "hidden", LAUNCH_LOG, _storage.TOP))
     return kept / _storage.IMAGE if (kept / _storage.IMAGE).exists() else kept

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 from wmo_trio.sandbox._dockerfile import (
-    DockerfileError,
     Instruction,
     Stage,
     assignments,
@@ -44,23 +43,21 @@ from wmo_trio.sandbox._dockerfile import (
     expand,
     read,
 )
+from wmo_trio.sandbox._errors import BuildError, DockerfileError, FileTooLarge, SpawnFailed
 from wmo_trio.sandbox._hostfs import (
-    FileTooLarge,
     read_beneath,
     remove_beneath,
     remove_or_set_aside,
     remove_tree,
     tree_size,
 )
-from wmo_trio.sandbox._namespace import (
-    DEFAULT_PATH,
-    Sandbox,
-    StateDir,
-    remove_stale_states,
-    same_file,
-)
-from wmo_trio.sandbox._processes import Channel, Completed, SpawnFailed, wait_readable
+from wmo_trio.sandbox._namespace import Sandbox
+from wmo_trio.sandbox._overlay import SandboxRoot
+from wmo_trio.sandbox._processes import Channel, Completed, wait_readable
+from wmo_trio.sandbox._profile import DEFAULT_PATH
 from wmo_trio.sandbox._rootfs import HostLayers, prune_host_layers
+from wmo_trio.sandbox._state import StateDir, remove_stale_states, same_file
+from wmo_trio.sandbox._threads import made_in_thread
 
 __all__ = ["BuildError", "Image", "ImageCache", "ImageConfig", "Pruned", "default_cache_dir"]
 
@@ -75,10 +72,6 @@ NETWORK_ETC_FILES = {"resolv.conf": "nameserver 10.0.2.3\n"}
 # What one COPY --from may bring out of an earlier stage. The stage's own tar writes
 # that stream, and the stage is the task's: it passes through the host only this far.
 STAGE_COPY_LIMIT = 2 << 30
-
-
-class BuildError(RuntimeError):
-    """A Dockerfile step failed; the message names the step and shows its last output."""
 
 
 def default_cache_dir() -> Path:
@@ -283,36 +276,30 @@ class ImageCache:
                      log: Any, built_for: Mapping[str, str]) -> None:
         """Build each stage of the plan in a sandbox of its own; the stages the last one
         copies from run until it is built, and only its layer is kept."""
-        states: list[StateDir] = []
-        sandboxes: list[Sandbox] = []
         sources: dict[int, Channel] = {}
+        root = SandboxRoot(host, etc_files=NETWORK_ETC_FILES)
         started = time.time()
-        try:
-            for stage in plan:
-                state = await asyncio.to_thread(StateDir.create, self.root / "builds",
-                                                f"{target.name}-{stage.index}")
-                states.append(state)
-                sandbox = await Sandbox.launch(state=state, host=host, image_layer=None,
-                                               network=True, hostname="build",
-                                               etc_files=NETWORK_ETC_FILES)
-                sandboxes.append(sandbox)
-                builder = _Builder(sandbox.channel, context, build_args, log, sources,
-                                   stage.global_args)
-                for instruction in stage.instructions:
-                    await builder.step(instruction)
-                sources[stage.index] = sandbox.channel
-            record = {"task": task_name, "built_at": started, "seconds": time.time() - started,
-                      "config": asdict(builder.config), "has_sudo": await builder.has_sudo(),
-                      "built_by": {"user": _user(), **built_for}}
-            for sandbox in sandboxes:
-                await sandbox.stop()
-            await asyncio.to_thread(_drop_network_files, sandboxes[-1].upper)
-            await asyncio.to_thread(_commit, states[-1], sandboxes[-1].upper, target, record)
-        finally:
-            for sandbox in sandboxes:
-                await sandbox.stop()
-            for state in states:
-                await asyncio.to_thread(state.remove)
+        async with contextlib.AsyncExitStack() as states:
+            async with contextlib.AsyncExitStack() as sandboxes:
+                for stage in plan:
+                    state = await made_in_thread(functools.partial(
+                        StateDir.create, self.root / "builds", f"{target.name}-{stage.index}"),
+                        StateDir.close)
+                    await states.enter_async_context(state)
+                    sandbox = await sandboxes.enter_async_context(await Sandbox.launch(
+                        state, root, hostname="build", network=True))
+                    builder = _Builder(sandbox.channel, context, build_args, log, sources,
+                                       stage.global_args)
+                    for instruction in stage.instructions:
+                        await builder.step(instruction)
+                    sources[stage.index] = sandbox.channel
+                record = {"task": task_name, "built_at": started,
+                          "seconds": time.time() - started, "config": asdict(builder.config),
+                          "has_sudo": await builder.has_sudo(),
+                          "built_by": {"user": _user(), **built_for}}
+            # Every stage's sandbox is gone: the last one's upper directory is the layer.
+            await asyncio.to_thread(_drop_network_files, sandbox.upper)
+            await asyncio.to_thread(_commit, state, sandbox.upper, target, record)
 
     def entries(self) -> list[CachedImage]:
         found = []

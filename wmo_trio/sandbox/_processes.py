@@ -17,7 +17,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-__all__ = ["Channel", "Completed", "OutputCap", "SpawnFailed"]
+from wmo_trio.sandbox._errors import ChannelClosed, SpawnFailed
+
+__all__ = ["Channel", "Completed", "OutputCap", "read_pipe", "wait_readable"]
 
 # After the command exits, how long to wait for EOF on pipes that background processes
 # still hold open (Docker's exec returns at exit too). What the command itself wrote is
@@ -29,18 +31,6 @@ OUTPUT_DRAIN_SEC = 0.25
 KILL_REPORT_SEC = 30.0
 
 OutputCallback = Callable[[str, str], Awaitable[None]]
-
-
-class SpawnFailed(Exception):
-    """The helper could not start the command (unknown user, missing directory...)."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class ChannelClosed(RuntimeError):
-    """The sandbox's helper is gone: the trial was stopped or its processes died."""
 
 
 @dataclass(frozen=True)
@@ -387,6 +377,22 @@ class _Stream:
 def _settle(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+async def read_pipe(fd: int, limit: int) -> bytes:
+    """Read a pipe until EOF (at most ``limit`` bytes) without blocking the loop."""
+    os.set_blocking(fd, False)
+    data = b""
+    while len(data) < limit:
+        try:
+            chunk = os.read(fd, limit - len(data))
+        except BlockingIOError:
+            await wait_readable(fd)
+            continue
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 async def wait_readable(fd: int) -> None:

@@ -25,6 +25,7 @@ tightens). What may differ between them is a field; what may not is a rule of
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -34,8 +35,22 @@ from typing import Literal
 from wmo_trio.sandbox._cgroup import Limits
 from wmo_trio.sandbox._seccomp import filter_fd, filter_problem
 
-__all__ = ["CAPABILITIES", "DEFAULT_PATH", "MASKED", "NETWORK_STACK_PROFILE", "READ_ONLY", "TRIAL_PROFILE",
-           "Bind", "Profile", "bwrap_argv", "launch_argv", "profile_problem"]
+__all__ = [
+    "CAPABILITIES",
+    "DEFAULT_PATH",
+    "LAUNCH_ATTEMPTS",
+    "MASKED",
+    "NETWORK_STACK_PROFILE",
+    "READ_ONLY",
+    "TRIAL_PROFILE",
+    "Bind",
+    "Profile",
+    "bwrap_argv",
+    "launch_argv",
+    "launch_output",
+    "lost_loopback_race",
+    "profile_problem",
+]
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DOCKER_SHM_BYTES = 64 << 20
@@ -220,18 +235,36 @@ def _masks(descriptors: ExitStack, inherited: list[int]) -> list[str]:
     return argv
 
 
+# bubblewrap 0.8 now and then fails to give a new network namespace its loopback address
+# (the kernel answers ECHILD under concurrent starts): such a start is tried again, this
+# many times in all.
+LAUNCH_ATTEMPTS = 3
+
+
+def lost_loopback_race(error: str) -> bool:
+    """Whether a launch that failed with ``error`` lost that race, and may be tried
+    again."""
+    return "bwrap: loopback" in error
+
+
+# What keyctl says when a launch joins its new session keyring: not the sandbox's words.
+_KEYCTL_NOTE = "Joined session keyring"
+
+
+def launch_output(text: str) -> list[str]:
+    """The lines a launch (:func:`launch_argv`) wrote to its stderr, less keyctl's own
+    note on joining the session keyring."""
+    return [line for line in text.strip().splitlines() if not line.startswith(_KEYCTL_NOTE)]
+
+
 def launch_argv(bwrap: Sequence[str], *, cgroup_procs: Sequence[Path] = (),
                 before: str = "") -> list[str]:
     """The command that starts ``bwrap`` (from :func:`bwrap_argv`): a shell joins the
     cgroup first (``cgroup_procs``: its ``cgroup.procs`` files, so bubblewrap and all it
     starts follow), runs ``before`` (a shell command), then bubblewrap in a new
     anonymous session keyring."""
-    steps = [f"echo $$ > {_quote(str(path))}" for path in cgroup_procs]
+    steps = [f"echo $$ > {shlex.quote(str(path))}" for path in cgroup_procs]
     if before:
         steps.append(before)
     steps.append('exec keyctl session - "$@"')
     return ["sh", "-c", " && ".join(steps), "sh", *bwrap]
-
-
-def _quote(word: str) -> str:
-    return "'" + word.replace("'", "'\"'\"'") + "'"

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from wmo_trio.sandbox._errors import TransferIncomplete
 from wmo_trio.sandbox._hostfs import (
     kernel_filesystem,
     link_stays_inside,
@@ -42,7 +43,6 @@ from wmo_trio.sandbox._hostfs import (
 __all__ = [
     "DEFAULT_DOWNLOAD_LIMIT_MB",
     "DEFAULT_DOWNLOAD_TIMEOUT_SEC",
-    "TransferIncomplete",
     "TransferLimits",
     "download_dir",
     "download_file",
@@ -76,11 +76,6 @@ class TransferLimits:
 
     max_bytes: int = DEFAULT_DOWNLOAD_LIMIT_MB << 20
     timeout_sec: float = DEFAULT_DOWNLOAD_TIMEOUT_SEC
-
-
-class TransferIncomplete(RuntimeError):
-    """A copy left something out: the message says what, why, and how to raise the
-    bound. Whatever fitted was copied."""
 
 
 class _Stopped(Exception):
