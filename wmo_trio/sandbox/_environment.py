@@ -27,9 +27,10 @@ from harbor.models.trial.paths import EnvironmentPaths
 from harbor.utils.path_filter import filter_paths_by_patterns
 
 from wmo_trio.sandbox import _storage, _transfer
+from wmo_trio.sandbox._build import ImageConfig
 from wmo_trio.sandbox._cgroup import Limits, host_cgroups, remove_stale_cgroups
 from wmo_trio.sandbox._errors import ChannelClosed, DockerfileError, SpawnFailed, unavailable
-from wmo_trio.sandbox._image import Image, ImageCache, ImageConfig, default_cache_dir
+from wmo_trio.sandbox._image import Image, ImageCache, default_cache_dir
 from wmo_trio.sandbox._namespace import LAUNCH_LOG, Sandbox, missing_tools
 from wmo_trio.sandbox._overlay import SandboxRoot
 from wmo_trio.sandbox._profile import DEFAULT_PATH, TRIAL_PROFILE, Bind
