@@ -34,6 +34,7 @@ from wmo_trio.sandbox._dockerfile import Stage as PlannedStage
 from wmo_trio.sandbox._errors import BuildError, DockerfileError, FileTooLarge, SpawnFailed
 from wmo_trio.sandbox._hostfs import read_beneath, remove_beneath
 from wmo_trio.sandbox._namespace import Sandbox
+from wmo_trio.sandbox._network import RESOLV_CONF
 from wmo_trio.sandbox._overlay import SandboxRoot
 from wmo_trio.sandbox._packing import Picked, Placement, Stage, pack
 from wmo_trio.sandbox._processes import Channel
@@ -49,7 +50,7 @@ __all__ = ["BuiltLayer", "ImageConfig", "building"]
 LONG_ARGUMENT = 96 << 10
 SCRIPT_PLACEHOLDER = "\0script\0"  # where a RUN's command names its script's file
 # Written into a build's /etc so that RUN reaches the registries; not part of the image.
-NETWORK_ETC_FILES = {"resolv.conf": "nameserver 10.0.2.3\n"}
+NETWORK_ETC_FILES = {"resolv.conf": RESOLV_CONF}
 # Each step's output kept a stream, for its log and its error.
 STEP_OUTPUT_LIMIT = 256 << 10
 

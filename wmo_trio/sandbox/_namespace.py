@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Self
 
+from wmo_trio.sandbox import _storage
 from wmo_trio.sandbox._cgroup import TrialCgroup
 from wmo_trio.sandbox._errors import SandboxUnavailableError, unavailable
 from wmo_trio.sandbox._hostfs import read_tail, remove_tree
@@ -313,6 +314,14 @@ class Sandbox:
         """Wait for slirp4netns's exit and let the kernel unmount the overlays, once
         the sandbox is stopped; blocks until both are done."""
         self.take_leftovers().close()
+
+    def keep_changes(self) -> Path:
+        """Keep what the stopped sandbox wrote (its upper directories) as
+        ``kept-<name>/`` beside its state directory, out of reach of the sweep, and drop
+        the rest; where it is (with ``storage_bytes``, the filesystem image whose
+        ``upper/`` it holds). Blocks."""
+        kept = self.state.keep(drop=("work", "root", "hidden", LAUNCH_LOG, _storage.TOP))
+        return kept / _storage.IMAGE if (kept / _storage.IMAGE).exists() else kept
 
     async def _read_child_pid(self, info_read: int) -> int:
         try:

@@ -30,7 +30,10 @@ from wmo_trio.sandbox._profile import (
     launch_output,
 )
 
-__all__ = ["NetworkStack"]
+__all__ = ["RESOLV_CONF", "NetworkStack"]
+
+# A sandbox's /etc/resolv.conf while it has a network: slirp4netns's DNS forwarder.
+RESOLV_CONF = "nameserver 10.0.2.3\n"
 
 # Bounds a hang only: slirp4netns exits at once when told to.
 EXIT_PATIENCE_SEC = 10.0

@@ -22,10 +22,11 @@ from pathlib import Path
 
 from wmo_trio.sandbox import _storage
 from wmo_trio.sandbox._errors import unavailable
+from wmo_trio.sandbox._network import RESOLV_CONF
 from wmo_trio.sandbox._profile import Bind
 from wmo_trio.sandbox._rootfs import HostLayers, make_hiding_layer
 
-__all__ = ["SCRATCH", "SandboxRoot", "prepare_root"]
+__all__ = ["SCRATCH", "SandboxRoot", "container_etc_files", "prepare_root"]
 
 # What a launch made in the state directory besides its launch log: removed before a
 # launch is tried again, or when a stopped trial's changes are kept.
@@ -44,6 +45,17 @@ class SandboxRoot:
     binds: tuple[Bind, ...] = ()
     etc_files: Mapping[str, str] = field(default_factory=dict)
     storage_bytes: int | None = None
+
+
+def container_etc_files(hostname: str, *, network: bool) -> dict[str, str]:
+    """What Docker writes into a container's ``/etc``: its hostname, its hosts file, and
+    with a network, the resolver (slirp4netns's DNS forwarder)."""
+    etc = {"hostname": f"{hostname}\n",
+           "hosts": f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+                    f"127.0.1.1\t{hostname}\n"}
+    if network:
+        etc["resolv.conf"] = RESOLV_CONF
+    return etc
 
 
 def prepare_root(state: Path, spec: SandboxRoot) -> str:

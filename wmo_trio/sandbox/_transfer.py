@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import fnmatch
 import os
 import posixpath
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,7 @@ __all__ = [
     "TransferLimits",
     "download_dir",
     "download_file",
+    "tar_excluded",
     "upload_dir",
     "upload_file",
 ]
@@ -348,6 +350,14 @@ class _Download:
             self.outcome.files += 1
         else:
             self.outcome.left_out.append((path, why))
+
+
+def tar_excluded(path: str, patterns: Sequence[str]) -> bool:
+    """Whether tar's ``--exclude`` patterns leave out ``path``: a pattern matches any
+    trailing part of it."""
+    parts = path.split("/")
+    return any(fnmatch.fnmatchcase("/".join(parts[index:]), pattern.strip("/"))
+               for index in range(len(parts)) for pattern in patterns)
 
 
 async def download_dir(open_root: Callable[[], int], source: str, target: Path,
