@@ -241,7 +241,7 @@ class TrialCgroup:
         """Remove the cgroups (blocks until the kernel emptied them, or a while); one
         still busy then is left to a later start, with a warning."""
         if not self.remove():
-            log.warning("the trial's cgroup %s was not empty in time; a later start "
+            log.warning("the sandbox's cgroup %s was not empty in time; a later start "
                         "removes it", ", ".join(map(str, self.directories)))
 
     @property

@@ -5,7 +5,7 @@ own).
 
 Three sandboxes are built from it: a trial's (`TRIAL_PROFILE`, ``_namespace``), its network
 stack's (`NETWORK_STACK_PROFILE`: slirp4netns, ``_namespace``) and a candidate's runner
-(``wmo_trio.backends.sandbox``, a `dataclasses.replace` of `TRIAL_PROFILE` that names what it
+(``wmo_trio.backends._sandbox``, a `dataclasses.replace` of `TRIAL_PROFILE` that names what it
 tightens). What may differ between them is a field; what may not is a rule of
 `bwrap_argv` that no field reaches:
 
