@@ -17,7 +17,7 @@ what every sandbox holds to and its bubblewrap command line (`_seccomp` compiles
 system-call filter), `_namespace` starts and ends sandboxes (`_state` their state
 directory, `_overlay` the overlay root, `_network` slirp4netns, `_storage` a trial's
 filesystem of its `storage_mb`, `_cgroup` its ceilings), `_processes` runs commands in
-them, `_transfer` copies files (`_reward` the verifier's reward files, bounded),
+them, `_transfer` copies files out and `_upload` in (`_reward` the verifier's reward files, bounded),
 `_hostfs` is the host's rule for paths a trial or a build wrote, `_helper` is the
 process inside every sandbox, `_environment` is harbor's interface (`_options` its
 options and ceilings, `_sweep` a start's sweep of dead processes' leftovers), `_errors`

@@ -24,7 +24,7 @@ from harbor.models.trial.config import ResourceMode
 from harbor.models.trial.paths import EnvironmentPaths
 from harbor.utils.path_filter import filter_paths_by_patterns
 
-from wmo_trio.sandbox import _transfer
+from wmo_trio.sandbox import _transfer, _upload
 from wmo_trio.sandbox._build import ImageConfig
 from wmo_trio.sandbox._cgroup import host_cgroups
 from wmo_trio.sandbox._errors import ChannelClosed, DockerfileError, SpawnFailed, unavailable
@@ -476,13 +476,13 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
         """Copy a host file into the trial, owned by root, mode kept. A target that is
         a directory (or ends with ``/``) receives the file under its own name."""
-        await _transfer.upload_file(self._require_sandbox().open_root, Path(source_path),
+        await _upload.upload_file(self._require_sandbox().open_root, Path(source_path),
                                     target_path)
 
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
         """Copy a host directory's contents into ``target_dir`` (created if needed),
         owned by root, modes kept."""
-        await _transfer.upload_dir(self._require_sandbox().open_root, Path(source_dir),
+        await _upload.upload_dir(self._require_sandbox().open_root, Path(source_dir),
                                    target_dir)
 
     def _never_started(self) -> bool:

@@ -89,6 +89,14 @@ class Bind:
     device: bool = False
     link: bool = False
 
+    @property
+    def arguments(self) -> list[str]:
+        """bubblewrap's arguments that make it."""
+        if self.link:
+            return ["--symlink", self.source, self.target]
+        option = "--dev-bind" if self.device else "--ro-bind" if self.read_only else "--bind"
+        return [option, self.source, self.target]
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -167,32 +175,8 @@ def bwrap_argv(profile: Profile, descriptors: ExitStack, *, command: Sequence[st
     seccomp = filter_fd(profile.capabilities, profile.extra_system_calls)
     descriptors.callback(os.close, seccomp)
     inherited = [seccomp]
-    argv = ["bwrap"]
-    if root is not None:
-        argv += ["--bind", root, "/"]
-    argv += ["--proc", "/proc"]
-    if profile.dev:
-        argv += ["--dev", "/dev",
-                 "--size", str(profile.shm_bytes), "--perms", "1777", "--tmpfs", "/dev/shm"]
-    argv += _masks(descriptors, inherited)
-    if profile.tmp_bytes is not None:
-        argv += ["--size", str(profile.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
-    for bind in binds:
-        if bind.link:
-            argv += ["--symlink", bind.source, bind.target]
-        else:
-            option = "--dev-bind" if bind.device else "--ro-bind" if bind.read_only else "--bind"
-            argv += [option, bind.source, bind.target]
-    for directory in hidden:
-        argv += ["--tmpfs", directory, "--remount-ro", directory]
-    for directory in dirs:
-        argv += ["--dir", directory]
-    if root is None:
-        argv += ["--remount-ro", "/"]
-    if profile.dev:
-        # Last, once mount points are made: /dev is an in-memory filesystem without a
-        # size (Docker's holds 64 MiB), whose files no process frees when memory runs out.
-        argv += ["--remount-ro", "/dev"]
+    argv = ["bwrap", *_mounts(profile, descriptors, inherited, root=root, binds=binds,
+                              hidden=hidden, dirs=dirs)]
     for namespace in sorted(profile.namespaces):
         argv.append(f"--unshare-{namespace}")
     argv += ["--hostname", hostname, "--die-with-parent", "--new-session", "--clearenv"]
@@ -210,6 +194,36 @@ def bwrap_argv(profile: Profile, descriptors: ExitStack, *, command: Sequence[st
     if chdir is not None:
         argv += ["--chdir", chdir]
     return [*argv, *command], inherited
+
+
+def _mounts(profile: Profile, descriptors: ExitStack, inherited: list[int], *,
+            root: str | None, binds: Sequence[Bind], hidden: Sequence[str],
+            dirs: Sequence[str]) -> list[str]:
+    """The arguments that make the sandbox's filesystem (see `bwrap_argv`), in the order
+    bubblewrap must mount them: a remount read-only comes after every mount beneath."""
+    argv = []
+    if root is not None:
+        argv += ["--bind", root, "/"]
+    argv += ["--proc", "/proc"]
+    if profile.dev:
+        argv += ["--dev", "/dev",
+                 "--size", str(profile.shm_bytes), "--perms", "1777", "--tmpfs", "/dev/shm"]
+    argv += _masks(descriptors, inherited)
+    if profile.tmp_bytes is not None:
+        argv += ["--size", str(profile.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
+    for bind in binds:
+        argv += bind.arguments
+    for directory in hidden:
+        argv += ["--tmpfs", directory, "--remount-ro", directory]
+    for directory in dirs:
+        argv += ["--dir", directory]
+    if root is None:
+        argv += ["--remount-ro", "/"]
+    if profile.dev:
+        # Last, once mount points are made: /dev is an in-memory filesystem without a
+        # size (Docker's holds 64 MiB), whose files no process frees when memory runs out.
+        argv += ["--remount-ro", "/dev"]
+    return argv
 
 
 def _masks(descriptors: ExitStack, inherited: list[int]) -> list[str]:
