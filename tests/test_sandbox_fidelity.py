@@ -25,11 +25,11 @@ from test_local_environment import (
     trial_results,
 )
 
-from wmo_trio.sandbox import BuildError, DockerfileError, _image
+from wmo_trio.sandbox import BuildError, DockerfileError, _packing
 from wmo_trio.sandbox._dockerfile import build_plan, parse
 from wmo_trio.sandbox._environment import AUTO_MOUNTING_REFUSED
-from wmo_trio.sandbox._image import stand_in_notice
 from wmo_trio.sandbox._rootfs import MAN_DB_AUTO_UPDATE
+from wmo_trio.sandbox._stand_in import stand_in_notice
 
 __all__ = ["pytestmark"]
 
@@ -181,7 +181,7 @@ def test_copy_from_a_stage_brings_out_no_more_than_its_limit(
     """The stage is the task's, and so is the ``tar`` that packs what COPY --from takes:
     one that never stops writing is cut off at the limit, the build failing in one line,
     instead of filling the host's disk until the build's time runs out."""
-    monkeypatch.setattr(_image, "STAGE_COPY_LIMIT", 1 << 20)
+    monkeypatch.setattr(_packing, "STAGE_COPY_LIMIT", 1 << 20)
     context = tmp_path / "environment"
     context.mkdir()
     (context / "Dockerfile").write_text(textwrap.dedent("""\
