@@ -66,6 +66,9 @@ AUTO_MOUNTING_REFUSED = (
     "LocalEnvironment refuses --ek auto_mounting=true: the trial would write straight into "
     "world-writable host directories that harbor reads, following the trial's links; leave "
     "it out and harbor copies the logs out of each trial instead")
+COMPOSE_REFUSED = (
+    "LocalEnvironment does not run Docker Compose task environments; use harbor's Docker "
+    "environment (-e docker)")
 
 
 class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
@@ -184,10 +187,10 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
 
     def _validate_definition(self) -> None:
         if (self.environment_dir / "docker-compose.yaml").exists():
-            raise ValueError(
-                "LocalEnvironment does not run Docker Compose task environments; "
-                "use harbor's Docker environment (-e docker)."
-            )
+            # The trial's start is refused, not the environment's making: raised here, it
+            # would end the whole job in harbor's traceback, its other tasks' trials lost.
+            self._refusal = COMPOSE_REFUSED
+            return
         require_agent_environment_definition(
             self.environment_dir, docker_image=self.task_env_config.docker_image
         )
@@ -271,6 +274,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                                ceilings.storage_bytes)
             profile = dataclasses.replace(TRIAL_PROFILE, limits=ceilings.limits,
                                           shm_bytes=self._options.shm_bytes(ceilings.limits))
+            on_fail.callback(self._forget_sandbox)  # after it stops, if the start fails
             self._sandbox = await on_fail.enter_async_context(await Sandbox.launch(
                 state, root, hostname=hostname, network=self._network, profile=profile))
             self._started = True
@@ -413,6 +417,9 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                 kept = await asyncio.to_thread(sandbox.keep_changes)
                 self.logger.info("Kept the trial's filesystem changes in %s", kept)
 
+    def _forget_sandbox(self) -> None:
+        self._sandbox = None
+
     def _require_sandbox(self) -> Sandbox:
         if self._sandbox is None:
             raise RuntimeError(f"environment {self.session_id} is not started")
@@ -485,23 +492,25 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         await _upload.upload_dir(self._require_sandbox().open_root, Path(source_dir),
                                    target_dir)
 
-    def _never_started(self) -> bool:
-        """Whether there is nothing to copy out because the trial never started (its
-        build failed): said in one line for the trial, since harbor logs a raised error
-        with its traceback and the build's."""
-        if self._sandbox is not None or self._started:
+    def _nothing_to_copy(self) -> bool:
+        """Whether there is nothing to copy out because no sandbox runs: the trial never
+        started (its build failed), or its start failed or was cancelled halfway and its
+        sandbox is gone (harbor then still asks for the logs). Said in one line for the
+        trial, since harbor logs a raised error with its traceback (and the build's)."""
+        if self._sandbox is not None:
             return False
         if not self._said_not_started and self._refusal is None:
-            self.logger.warning("nothing to copy out of %s: its environment did not start",
-                                self.session_id)
+            self.logger.warning("nothing to copy out of %s: its environment %s",
+                                self.session_id,
+                                "has stopped" if self._started else "did not start")
         self._said_not_started = True
         return True
 
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
         """Copy a file out of the trial (within the download limits); the host copy
-        belongs to harbor's user. Nothing is copied (and nothing raised) when the trial
-        never started."""
-        if self._never_started():
+        belongs to harbor's user. Nothing is copied (and nothing raised) when no sandbox
+        runs."""
+        if self._nothing_to_copy():
             return
         await _transfer.download_file(self._require_sandbox().open_root, source_path,
                                       Path(target_path), self._options.transfer_limits)
@@ -535,7 +544,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
     async def _download(self, source_dir: str, target_dir: Path | str,
                         exclude: Callable[[str], bool] | None = None,
                         select: Callable[[str], bool] | None = None) -> None:
-        if self._never_started():  # nothing to copy, and nothing raised
+        if self._nothing_to_copy():  # nothing to copy, and nothing raised
             return
         # harbor reads the reward files whole: copied apart, bounded (see _reward).
         await download_with_rewards(
