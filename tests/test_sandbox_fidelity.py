@@ -458,3 +458,27 @@ def test_a_bind_mount_asked_for_is_never_read_through_by_harbor(tmp_path: Path) 
 
     asyncio.run(scenario())
     assert (shared / "reward.txt").read_text() == "1\n"
+
+
+def test_the_entrypoint_ends_with_the_trial_without_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A container's main process ends when the container stops; the pubtasks run logged
+    "the ENTRYPOINT failed" at the stop of every task with one."""
+    context = tmp_path / "environment"
+    context.mkdir()
+    (context / "Dockerfile").write_text(
+        'FROM ubuntu:24.04\nENTRYPOINT ["sh", "-c", "echo up > /tmp/up; exec \\"$@\\"", "sh"]\n')
+    environment = make_environment(tmp_path, context, cache_dir=str(tmp_path / "cache"))
+
+    async def scenario() -> None:
+        async with running(environment):
+            # The ENTRYPOINT runs beside the trial's commands: one waits until it has.
+            waited = await environment.exec("until [ -e /tmp/up ]; do sleep 0.05; done")
+            assert waited.return_code == 0
+
+    with caplog.at_level(logging.DEBUG, logger=environment.logger.name):
+        run(scenario)
+    messages = [record.getMessage() for record in caplog.records]
+    assert not [m for m in messages if "ENTRYPOINT failed" in m], messages
+    assert any("the ENTRYPOINT ended with the trial" in m for m in messages), messages

@@ -388,8 +388,11 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                     stream_limit=ENTRYPOINT_LOG_LIMIT,
                 )
                 self.logger.debug("the ENTRYPOINT exited with %d", completed.return_code)
-        except Exception as error:  # the trial goes on, as a container whose main process died
-            self.logger.warning("the ENTRYPOINT failed: %s", error)
+        except Exception as error:
+            if sandbox.stopped:  # it ends with the trial, as a container's main process does
+                self.logger.debug("the ENTRYPOINT ended with the trial: %s", error)
+            else:  # the trial goes on, as a container whose main process died
+                self.logger.warning("the ENTRYPOINT failed: %s", error)
 
     async def stop(self, delete: bool) -> None:
         """End every process of the trial; remove its upper directories unless
