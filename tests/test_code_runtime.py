@@ -1,4 +1,4 @@
-"""`code:runtime` documents on the local backend: `EpisodeRuntime` runs the program and its kit in-process."""
+"""`code:runtime` documents on the local backend: `LocalExecution` runs the program and its kit in-process."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from doubles import Spy, when
 
-from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
+from wmo_trio.episode import DirectoryShell, LocalExecution
+from wmo_trio.episode._services import tools_text
 from wmo_trio.episode.portable import parse_tool_call
-from wmo_trio.episode.services import tools_text
 from wmo_trio.harness import HarnessDoc, parse_harness
 from wmo_trio.models import ActionKind, RunResult, StopReason
 
@@ -65,8 +65,8 @@ def run_code(doc: HarnessDoc, script: list[dict[str, Any]], workdir: Path,
              **settings: Any) -> tuple[RunResult, Spy]:
     """The episode of `doc`; `settings` are the episode's (`EpisodeSettings`)."""
     provider = Spy(script)
-    runtime = EpisodeRuntime(doc, provider, settings)
-    result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=30))
+    runtime = LocalExecution(doc, provider, settings)
+    result = runtime.run("task", INSTRUCTION, DirectoryShell(workdir, command_timeout_sec=30))
     return result, provider
 
 
@@ -318,8 +318,8 @@ def test_should_cancel_stops_the_program_at_its_next_kit_call(tmp_path: Path) ->
         return "finished"
     """
     doc = code_doc(source)
-    runtime = EpisodeRuntime(doc, Spy([{"text": "x"}]), should_cancel=lambda: len(env_calls) >= 1)
-    environment = LocalDirEnvironment(tmp_path, command_timeout_sec=30)
+    runtime = LocalExecution(doc, Spy([{"text": "x"}]), should_cancel=lambda: len(env_calls) >= 1)
+    environment = DirectoryShell(tmp_path, command_timeout_sec=30)
     original = environment.execute
 
     def counting_execute(action: Any) -> Any:
@@ -341,10 +341,10 @@ def test_abort_interrupts_a_model_call_in_flight(tmp_path: Path) -> None:
         return "never"
     """
     provider = Spy([{"text": "x"}], latency_s=30)
-    runtime = EpisodeRuntime(code_doc(source), provider)
+    runtime = LocalExecution(code_doc(source), provider)
     when(provider.calling, runtime.abort)
     started = time.monotonic()
-    result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path, command_timeout_sec=30))
+    result = runtime.run("task", INSTRUCTION, DirectoryShell(tmp_path, command_timeout_sec=30))
     assert time.monotonic() - started < 5
     assert result.stop_reason is StopReason.CANCELLED
 
@@ -366,10 +366,10 @@ def test_the_wall_clock_budget_interrupts_the_program(tmp_path: Path) -> None:
 
 
 def test_a_code_runtime_runs_once(tmp_path: Path) -> None:
-    runtime = EpisodeRuntime(code_doc("def run(kit):\n    return 'a'\n"), Spy([{"text": "x"}]))
-    runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path))
+    runtime = LocalExecution(code_doc("def run(kit):\n    return 'a'\n"), Spy([{"text": "x"}]))
+    runtime.run("task", INSTRUCTION, DirectoryShell(tmp_path))
     with pytest.raises(RuntimeError, match="single episode"):
-        runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path))
+        runtime.run("task", INSTRUCTION, DirectoryShell(tmp_path))
     runtime.close()
     runtime.close()
 

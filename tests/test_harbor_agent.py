@@ -696,10 +696,10 @@ DEFECTS_PLUGIN = '''
 trial, chosen by the trial's provider kind, because a healthy episode turns every failure
 into a stop reason or an observation and never raises."""
 
-from wmo_trio.episode.runtime import EpisodeRuntime
+from wmo_trio.episode._execution import LocalExecution
 from wmo_trio.harbor import WmoTrioHarborAgent, _agent
 from wmo_trio.providers import register_provider
-from wmo_trio.providers.scripted import ScriptedProvider
+from wmo_trio.providers._scripted import ScriptedProvider
 
 MARKER = "echo defect"
 
@@ -712,7 +712,7 @@ class RuntimeBuildDefect(Exception):
     pass
 
 
-class DefectiveRuntime(EpisodeRuntime):
+class DefectiveRuntime(LocalExecution):
     """Its progress hook raises once the step running MARKER has been recorded."""
 
     def __init__(self, *args, on_progress=None, **kwargs):
@@ -730,22 +730,22 @@ class CloseFailingProvider(ScriptedProvider):
         raise RuntimeError("injected failure to close the provider")
 
 
-def build_runtime_with_defects(doc, provider, *args, **kwargs):
+def build_execution_with_defects(doc, provider, *args, **kwargs):
     # The provider arrives wrapped (retries); its configuration names the kind.
     if provider.config.kind == "builddefect":
         raise RuntimeBuildDefect("injected failure to build the runtime")
     if provider.config.kind == "episodedefect":
         return DefectiveRuntime(doc, provider, *args, control=kwargs["control"],
                                 on_progress=kwargs["on_progress"])
-    return healthy_build_runtime(doc, provider, *args, **kwargs)
+    return healthy_build_execution(doc, provider, *args, **kwargs)
 
 
 # Scripted providers by other names: the kind says which defect a trial gets.
-register_provider("episodedefect", "wmo_trio.providers.scripted:ScriptedProvider")
-register_provider("builddefect", "wmo_trio.providers.scripted:ScriptedProvider")
+register_provider("episodedefect", "wmo_trio.providers._scripted:ScriptedProvider")
+register_provider("builddefect", "wmo_trio.providers._scripted:ScriptedProvider")
 register_provider("closefail", f"{__name__}:CloseFailingProvider")
-healthy_build_runtime = _agent.build_runtime
-_agent.build_runtime = build_runtime_with_defects
+healthy_build_execution = _agent.build_execution
+_agent.build_execution = build_execution_with_defects
 
 Agent = WmoTrioHarborAgent
 '''

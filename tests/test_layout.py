@@ -130,18 +130,18 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_import_graph_finds_the_modules_and_their_imports() -> None:
     graph = import_graph()
     assert "wmo_trio.engine._engine" in graph["wmo_trio.engine"]
-    assert "wmo_trio.control" in graph["wmo_trio.episode.runtime"]
+    assert "wmo_trio.control" in graph["wmo_trio.episode._execution"]
     assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
 
 
 def test_the_import_graph_counts_packages_run_on_the_way_and_imports_by_name() -> None:
     graph = import_graph()
-    # research's pool imports wmo_trio.episode.environment, which runs wmo_trio.episode first
+    # research's pool imports wmo_trio.episode._environment, which runs wmo_trio.episode first
     assert "wmo_trio.episode" in graph["wmo_trio.research._pool"]
     # a submodule's own package is already running: no edge back to it
-    assert "wmo_trio.episode" not in graph["wmo_trio.episode.runtime"]
+    assert "wmo_trio.episode" not in graph["wmo_trio.episode._execution"]
     # provider classes are imported by name, when a provider is built
-    assert "wmo_trio.providers.scripted" in graph["wmo_trio.providers"]
+    assert "wmo_trio.providers._scripted" in graph["wmo_trio.providers"]
     # the package's lazy names import their modules for whoever asks for them, not for all
     assert {"wmo_trio.research", "wmo_trio.harness", "wmo_trio.models"}.isdisjoint(
         graph["wmo_trio"])
@@ -206,8 +206,8 @@ def test_the_floor_check_refuses_newer_syntax_and_other_packages() -> None:
 HEAVY = ("anthropic", "openai", "e2b", "numpy", "scipy", "matplotlib", "litellm", "trio_asyncio",
          "ray")
 # wmo_trio's own modules that bring them, or that only some trials use.
-HEAVY_OWN = ("wmo_trio.compare", "wmo_trio.backends.e2b", "wmo_trio.backends.sandbox",
-             "wmo_trio.providers.anthropic", "wmo_trio.providers.openai", "wmo_trio.research",
+HEAVY_OWN = ("wmo_trio.compare", "wmo_trio.backends._e2b", "wmo_trio.backends.sandbox",
+             "wmo_trio.providers._anthropic", "wmo_trio.providers._openai", "wmo_trio.research",
              "wmo_trio.cluster")
 
 _LOAD_PROBE = """

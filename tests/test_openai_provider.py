@@ -36,12 +36,12 @@ from provider_wires import (
     user,
 )
 
-from wmo_trio.episode.environment import LocalDirEnvironment
-from wmo_trio.episode.runtime import EpisodeRuntime
+from wmo_trio.episode._environment import DirectoryShell
+from wmo_trio.episode._execution import LocalExecution
 from wmo_trio.harness import parse_harness
 from wmo_trio.models import RunResult, TokenUsage
 from wmo_trio.providers import build_provider
-from wmo_trio.providers.base import (
+from wmo_trio.providers._base import (
     CallControl,
     FinishReason,
     Message,
@@ -53,7 +53,7 @@ from wmo_trio.providers.base import (
     ToolCall,
     ToolSpec,
 )
-from wmo_trio.providers.openai import OpenAIProvider
+from wmo_trio.providers._openai import OpenAIProvider
 from wmo_trio.trace import FinishedTrace
 
 KEY_ENV = "WMO_TEST_OPENAI_KEY"
@@ -585,7 +585,7 @@ def test_the_key_is_not_sent_across_a_redirect_to_another_host(
         caplog: pytest.LogCaptureFixture) -> None:
     elsewhere = keyless_server.base_url.replace("127.0.0.1", "localhost") + "/models"
     server.redirects["/v1/models"] = elsewhere
-    with caplog.at_level(logging.WARNING, logger="wmo_trio.providers.openai"):
+    with caplog.at_level(logging.WARNING, logger="wmo_trio.providers._openai"):
         build_provider(settings(server, model="not-listed-anywhere")).close()
     assert keyless_server.requests == []  # not followed: neither the key nor the model went there
     assert [(r.method, r.path) for r in server.requests] == [("GET", "/v1/models")]
@@ -645,8 +645,8 @@ INSTRUCTION = "Write 'hello' into greeting.txt, then submit."
 
 def run_episode(provider: Provider, workdir: Path) -> RunResult:
     workdir.mkdir()
-    with EpisodeRuntime(DOC, provider, {"episode_timeout_sec": 60}) as runtime:
-        return runtime.run("greeting", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=10))
+    with LocalExecution(DOC, provider, {"episode_timeout_sec": 60}) as runtime:
+        return runtime.run("greeting", INSTRUCTION, DirectoryShell(workdir, command_timeout_sec=10))
 
 
 def test_an_episode_recovers_from_broken_arguments_and_runs_every_call_of_a_reply(

@@ -25,12 +25,12 @@ from doubles import Spy
 from test_code_runtime import AGENT, INSTRUCTION, SOLVE, code_doc
 
 import wmo_trio
-from wmo_trio.backends import build_runtime, check_backend, resolve_backend
+from wmo_trio.backends import build_execution, check_backend, resolve_backend
 from wmo_trio.backends._frames import MAX_FRAME_BYTES
 from wmo_trio.backends.sandbox import SandboxRuntime, SandboxSettings, python_runtime, sandbox_problem
-from wmo_trio.episode import LocalDirEnvironment
+from wmo_trio.episode import DirectoryShell
 from wmo_trio.models import RunResult, StopReason
-from wmo_trio.research import LocalProcessEnvironment
+from wmo_trio.research import DirectoryEnvironment
 
 PROBLEM = sandbox_problem()
 pytestmark = [
@@ -81,7 +81,7 @@ def sandboxed(source: str, workdir: Path, script: list[dict[str, Any]] | None = 
               settings: SandboxSettings = COLD, **kwargs: Any) -> tuple[RunResult, SandboxRuntime]:
     provider = Spy(script or [{"text": "unused"}])
     with SandboxRuntime(code_doc(source), provider, settings=settings, **kwargs) as runtime:
-        return runtime.run("task", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=30)), runtime
+        return runtime.run("task", INSTRUCTION, DirectoryShell(workdir, command_timeout_sec=30)), runtime
 
 
 def traced(source: str, workdir: Path, script: list[dict[str, Any]] | None = None,
@@ -92,7 +92,7 @@ def traced(source: str, workdir: Path, script: list[dict[str, Any]] | None = Non
     async def main() -> RunResult:
         async with wmo_trio.open_episode_pool(limit=2) as pool:
             return await pool.run(code_doc(source), Scripted(script or [{"text": "unused"}]), INSTRUCTION,
-                                  LocalProcessEnvironment(workdir), trace_path=trace,
+                                  DirectoryEnvironment(workdir), trace_path=trace,
                                   backend="sandbox", **kwargs)
 
     result = trio.run(main)
@@ -128,9 +128,9 @@ def test_the_built_in_loop_runs_in_the_sandbox_too(tmp_path: Path, runners: Runn
 
     script = [{"text": "", "tool_calls": [{"name": "bash", "arguments": {"command": "echo hi"}}]},
               {"text": "", "tool_calls": [{"name": "submit", "arguments": {"answer": "ok"}}]}]
-    runtime = build_runtime(make_doc(), Spy(script), backend="sandbox", backend_settings=COLD)
+    runtime = build_execution(make_doc(), Spy(script), backend="sandbox", backend_settings=COLD)
     try:
-        result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path, command_timeout_sec=30))
+        result = runtime.run("task", INSTRUCTION, DirectoryShell(tmp_path, command_timeout_sec=30))
     finally:
         runtime.close()
     assert isinstance(runtime, SandboxRuntime)
@@ -344,7 +344,7 @@ def test_abort_or_close_kills_a_program_that_ignores_it(tmp_path: Path, runners:
     threading.Thread(target=lambda: (provider.calling.wait(60), getattr(runtime, stop)()),
                      daemon=True).start()
     try:
-        result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path))
+        result = runtime.run("task", INSTRUCTION, DirectoryShell(tmp_path))
     finally:
         runtime.close()
     assert result.stop_reason is StopReason.CANCELLED
@@ -371,7 +371,7 @@ def test_cancelling_the_caller_kills_the_sandbox_and_writes_a_partial_trace(
         async with wmo_trio.open_episode_pool(limit=1) as pool, trio.open_nursery() as nursery:
             nursery.start_soon(lambda: pool.run(
                 code_doc("def run(kit):\n    kit.complete('s', [])\n    while True:\n        pass\n"),
-                provider, INSTRUCTION, LocalProcessEnvironment(tmp_path),
+                provider, INSTRUCTION, DirectoryEnvironment(tmp_path),
                 trace_path=trace, backend="sandbox"))
             await trio.to_thread.run_sync(provider.calling.wait, 60)
             nursery.cancel_scope.cancel()
@@ -440,7 +440,7 @@ def test_no_backend_named_is_sandbox_for_a_program_and_local_for_the_built_in_lo
     assert resolve_backend(code_doc(AGENT), None) == "sandbox"
     assert resolve_backend(make_doc(), None) == "local"
     assert resolve_backend(code_doc(AGENT), "local") == "local"
-    assert isinstance(build_runtime(code_doc(AGENT), Spy([{"text": "unused"}])), SandboxRuntime)
+    assert isinstance(build_execution(code_doc(AGENT), Spy([{"text": "unused"}])), SandboxRuntime)
 
 
 def test_the_research_api_runs_a_program_in_the_sandbox_when_no_backend_is_named(
@@ -451,7 +451,7 @@ def test_the_research_api_runs_a_program_in_the_sandbox_when_no_backend_is_named
                 "import os\ndef run(kit):\n"
                 "    kit.execute('submit', {'answer': repr(os.listdir('/'))})\n"),
                                   Scripted([{"text": "unused"}]), INSTRUCTION,
-                                  LocalProcessEnvironment(tmp_path))
+                                  DirectoryEnvironment(tmp_path))
 
     result = trio.run(main)
     assert result.stop_reason is StopReason.SUBMITTED

@@ -23,7 +23,7 @@ building a provider does neither.
 Retries belong to wmo_trio's retry policy (`retry.py`), so the SDK's own are off. Errors
 become `ProviderError`s that say whether a retry may help and how long the server asked
 us to wait. A reply's body that cannot be read is judged as for every kind
-(`wmo_trio.providers.http.reply_json`); one that is JSON but not a message is a retryable
+(`wmo_trio.providers._http.reply_json`); one that is JSON but not a message is a retryable
 failure.
 """
 
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Self
 from pydantic import Field, field_validator
 
 from wmo_trio.models import JsonObject, TokenUsage
-from wmo_trio.providers.base import (
+from wmo_trio.providers._base import (
     FinishReason,
     Message,
     ProviderConfig,
@@ -47,7 +47,7 @@ from wmo_trio.providers.base import (
     api_key_from_environment,
     parse_tool_call,
 )
-from wmo_trio.providers.http import (
+from wmo_trio.providers._http import (
     HTTPProvider,
     HTTPReply,
     HTTPSettings,

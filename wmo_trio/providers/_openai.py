@@ -18,7 +18,7 @@ from; a missing id is made up; `finish_reason` `length` is the output limit, an 
 missing one is read from whether there are tool calls; a missing `usage` counts the call
 with zero tokens; a lone surrogate (half of an escaped pair) becomes U+FFFD. A reply
 without choices is a retryable failure, unless its error says otherwise; a body that cannot
-be read is judged as for every kind (`wmo_trio.providers.http.reply_json`), and JSON that is
+be read is judged as for every kind (`wmo_trio.providers._http.reply_json`), and JSON that is
 not an object is no chat completion (base_url names another API).
 
 Model I/O is `HTTPProvider`'s (`http.py`), as for the Anthropic provider: the worker thread
@@ -29,7 +29,7 @@ when the run ends. An interrupt cancels the call at once. The SDK's retries are 
 wmo_trio's retry policy (`retry.py`) decides.
 
 Before anything runs, `from_config` checks that the server is there and serves the model
-(`GET <base_url>/models`; see `wmo_trio.providers.openai_check`), once per process and
+(`GET <base_url>/models`; see `wmo_trio.providers._openai_check`), once per process and
 configuration, so harbor's preflight and `wmo-trio run`, which build the provider before any
 trial and off any event loop, pay for it and every trial's provider finds it done.
 """
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 from pydantic import Field
 
 from wmo_trio.models import JsonObject, TokenUsage
-from wmo_trio.providers.base import (
+from wmo_trio.providers._base import (
     FinishReason,
     Message,
     ProviderConfig,
@@ -58,15 +58,15 @@ from wmo_trio.providers.base import (
     api_key_from_environment,
     parse_tool_call,
 )
-from wmo_trio.providers.http import (
+from wmo_trio.providers._http import (
     HTTPProvider,
     HTTPReply,
     HTTPSettings,
     reply_json,
     token_count,
 )
-from wmo_trio.providers.openai_check import check_server
-from wmo_trio.providers.retry import is_retryable_status
+from wmo_trio.providers._openai_check import check_server
+from wmo_trio.providers._retry import is_retryable_status
 from wmo_trio.settings import NonEmptyText
 
 if TYPE_CHECKING:
