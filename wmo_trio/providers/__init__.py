@@ -16,41 +16,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from wmo_trio.providers._base import (
-    CallControl,
-    FinishReason,
-    Message,
-    OwnedProvider,
-    Provider,
-    ProviderConfig,
-    ProviderConfigError,
-    ProviderError,
-    ProviderInterrupted,
-    ProviderRequest,
-    ProviderResponse,
-    ProviderSettings,
-    ToolCall,
-    ToolSpec,
-)
+from wmo_trio.providers import _base
+from wmo_trio.providers._base import *  # noqa: F403 (the provider interface is this face)
+from wmo_trio.providers._base import OwnedProvider, ProviderConfig, ProviderConfigError, ProviderSettings
 from wmo_trio.providers._recording import RecordingProvider
 from wmo_trio.providers._retry import RetryingProvider, RetryPolicy
 from wmo_trio.settings import validation_problem
 
 __all__ = [
-    "CallControl",
-    "FinishReason",
-    "Message",
-    "OwnedProvider",
-    "Provider",
-    "ProviderConfig",
-    "ProviderConfigError",
-    "ProviderError",
-    "ProviderInterrupted",
-    "ProviderRequest",
-    "ProviderResponse",
-    "ProviderSettings",
-    "ToolCall",
-    "ToolSpec",
+    *_base.__all__,
     "build_provider",
     "known_kinds",
     "parse_provider_config",

@@ -21,6 +21,11 @@ from wmo_trio.control import CallControl as CallControl
 from wmo_trio.models import JsonObject, TokenUsage
 from wmo_trio.settings import NonEmptyText, NonNegativeSeconds, PositiveInt, Settings
 
+# The interface `wmo_trio.providers` shows; the helpers below it are its providers' own.
+__all__ = ["CallControl", "FinishReason", "Message", "OwnedProvider", "Provider", "ProviderConfig",
+           "ProviderConfigError", "ProviderError", "ProviderInterrupted", "ProviderRequest",
+           "ProviderResponse", "ProviderSettings", "ToolCall", "ToolSpec"]
+
 
 class FinishReason(StrEnum):
     STOP = "stop"
