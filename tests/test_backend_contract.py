@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from doubles import Spy, make_doc, untimed
 from e2b_fake import FakeE2B
-from test_code_runtime import AGENT, INSTRUCTION, SOLVE, code_doc
+from support.programs import AGENT, INSTRUCTION, SOLVE, call, code_doc, reply, run_on
 
 from wmo_trio.backends import BACKENDS, build_execution
 from wmo_trio.backends.sandbox import sandbox_problem
@@ -30,8 +29,7 @@ from wmo_trio.episode import DirectoryShell, _channel
 from wmo_trio.episode._channel import MAX_FREE_CALLS
 from wmo_trio.episode._execution import ExecutionBase
 from wmo_trio.episode._services import ELIDED
-from wmo_trio.harness import HarnessDoc
-from wmo_trio.models import RunResult, StopReason
+from wmo_trio.models import StopReason
 
 SANDBOX_PROBLEM = sandbox_problem()
 SANDBOX = pytest.param("sandbox", marks=[
@@ -51,21 +49,10 @@ def backend(request: pytest.FixtureRequest) -> str:
     return name
 
 
-def run_on(backend: str, doc: HarnessDoc, provider: Any, workdir: Path, *,
-           should_cancel: Callable[[], bool] | None = None,
-           backend_settings: dict[str, Any] | None = None, **settings: Any) -> RunResult:
-    """The episode of `doc` on `backend`; `settings` are the episode's (`EpisodeSettings`)."""
-    with build_execution(doc, provider, settings, backend=backend, backend_settings=backend_settings,
-                       should_cancel=should_cancel) as runtime:
-        return runtime.run("task", INSTRUCTION, DirectoryShell(workdir, command_timeout_sec=30))
 
 
-def call(tool: str, **arguments: str) -> dict[str, Any]:
-    return {"name": tool, "arguments": arguments}
 
 
-def reply(*calls: dict[str, Any], text: str = "") -> dict[str, Any]:
-    return {"text": text, "tool_calls": list(calls)}
 
 
 # =======================================================================================

@@ -2,63 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from doubles import Spy, when
+from support.programs import AGENT, INSTRUCTION, SOLVE, code_doc
 
 from wmo_trio.episode import DirectoryShell, LocalExecution
 from wmo_trio.episode._services import tools_text
 from wmo_trio.episode.portable import parse_tool_call
-from wmo_trio.harness import HarnessDoc, parse_harness
+from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import ActionKind, RunResult, StopReason
-
-# The program docs/documents.md shows: a text-protocol agent over the kit.
-AGENT = """
-def run(kit):
-    system = kit.system_prompt + "\\n\\n" + kit.tools_text()
-    messages = [{"role": "user", "content": kit.instruction}]
-    for _ in range(kit.params["max_turns"]):
-        reply = kit.complete(system, messages)
-        messages.append({"role": "assistant", "content": reply})
-        call = kit.parse_tool_call(reply)
-        if call is None:
-            return reply.strip()
-        observation = kit.execute(call["tool"], call["arguments"])  # submit does not return
-        messages.append({"role": "user", "content": observation.content})
-    return ""
-"""
-INSTRUCTION = "Create the file `out/greeting.txt` whose whole content is the line `hi`"
-
-
-def text_call(tool: str, **arguments: str) -> dict[str, Any]:
-    """A scripted model reply that writes a tool call as text, in a json fence."""
-    return {"text": f"Next step.\n```json\n{json.dumps({'tool': tool, 'arguments': arguments})}\n```"}
-
-
-SOLVE = [text_call("write_file", path="out/greeting.txt", content="hi\n"),
-         text_call("read_file", path="out/greeting.txt"),
-         text_call("submit", answer="wrote out/greeting.txt")]
-
-
-def code_doc(source: str, *, policy: str | None = None, skill: str | None = None,
-             **params: int) -> HarnessDoc:
-    surfaces: list[dict[str, Any]] = [
-        {"id": "prompt:core", "kind": "prompt", "content": "You are a careful agent."},
-        {"id": "code:runtime", "kind": "code", "content": textwrap.dedent(source)},
-    ]
-    if policy is not None:
-        surfaces.append({"id": "tool_policy:main", "kind": "tool_policy", "content": policy})
-    if skill is not None:
-        surfaces.append({"id": "skill:notes", "kind": "skill",
-                         "content": f"---\nname: notes\ndescription: How to take notes\n---\n{skill}"})
-    for name, value in params.items():
-        surfaces.append({"id": f"param:{name.replace('_', '-')}", "kind": "param", "content": str(value)})
-    return parse_harness({"name": "code", "surfaces": surfaces})
 
 
 def run_code(doc: HarnessDoc, script: list[dict[str, Any]], workdir: Path,

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from harbor.models.trial.result import TrialResult
 from harbor_jobs import run_job_here
-from test_readme import all_blocks, blocks, make_clone, run_as_written
+from support.readme import all_blocks, blocks, make_clone, run_as_written
 from typer.testing import CliRunner
 
 from wmo_trio import DirectoryEnvironment, load_harness, open_episode_pool

@@ -21,8 +21,7 @@ import pytest
 from doubles import Spy, make_doc
 from e2b_fake import FakeE2B
 from harbor_jobs import run_job_here
-from test_backend_contract import call, reply, run_on
-from test_code_runtime import AGENT, INSTRUCTION, code_doc, text_call
+from support.programs import AGENT, INSTRUCTION, call, code_doc, reply, run_on, text_call
 
 from wmo_trio.backends import build_execution, check_backend
 from wmo_trio.backends._e2b import E2BExecution, E2BSettings
@@ -305,7 +304,7 @@ def test_check_backend_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) ->
     ("local", False, LocalExecution), ("local", True, LocalExecution),
     ("e2b", False, E2BExecution), ("e2b", True, E2BExecution),
 ])
-def test_build_runtime_chooses_the_runtime(monkeypatch: pytest.MonkeyPatch, backend: str, code: bool,
+def test_build_execution_chooses_the_backends_class(monkeypatch: pytest.MonkeyPatch, backend: str, code: bool,
                                            expected: type) -> None:
     monkeypatch.setenv("E2B_API_KEY", "key")
     doc = code_doc(AGENT) if code else make_doc()

@@ -835,7 +835,7 @@ GREETING = {"path": "/app/greeting.txt", "content": "Hello from wmo_trio\n"}  # 
 
 @pytest.mark.harbor
 def test_a_harbor_cli_trial_with_openai_model_runs_against_the_server(tmp_path: Path) -> None:
-    from test_harbor_agent import harbor_run
+    from support.harbor_runs import harbor_run
 
     with ChatCompletionsServer() as server:
         server.enqueue(
@@ -910,7 +910,7 @@ def harbor_refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Refus
     """`harbor run` of an openai model without its key, and without its server: each
     refusal (and where its jobs would be), from harbor's own command line as its console
     script runs it, the two one after another in one process (tests/console_scripts.py)."""
-    from test_harbor_agent import harbor_env, harbor_run
+    from support.harbor_runs import harbor_env, harbor_run
 
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))  # a port nobody listens on once this is closed

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from test_race_jobs import candidate
+from support.race import candidate
 
 from wmo_trio import DirectoryEnvironment, load_harness
 from wmo_trio.models import RunResult

@@ -15,14 +15,21 @@ import os
 import resource
 import socket
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 from doubles import Spy
-from test_code_runtime import AGENT, INSTRUCTION, SOLVE, code_doc
+from support import sandbox_runner
+from support.programs import AGENT, INSTRUCTION, SOLVE, code_doc
+from support.sandbox_runner import (
+    PROBLEM,
+    Runners,
+    Scripted,
+    answer_of,
+    traced,
+)
 
 import wmo_trio
 from wmo_trio.backends import build_execution, check_backend, resolve_backend
@@ -32,49 +39,19 @@ from wmo_trio.episode import DirectoryShell
 from wmo_trio.models import RunResult, StopReason
 from wmo_trio.research import DirectoryEnvironment
 
-PROBLEM = sandbox_problem()
 pytestmark = [
     pytest.mark.skipif(PROBLEM is not None, reason=f"no sandbox backend here: {PROBLEM}"),
     pytest.mark.slow,  # real sandboxes
 ]
 # No pool: each episode's runner is its own, so a test sees everything it started.
+runners = sandbox_runner.runners  # the fixture, by its name
 COLD = SandboxSettings(pool_size=0)
 
 
-class Runners:
-    """Every runner the runtimes of a test start, to check they are gone afterwards."""
-
-    def __init__(self) -> None:
-        self.started: list[Any] = []
-
-    def gone(self) -> None:
-        for runner in self.started:
-            assert runner.process.returncode is not None, "a runner was not reaped"
-            for directory in runner.cgroup.directories if runner.cgroup else ():
-                assert not directory.exists(), f"cgroup {directory} left behind"
 
 
-@pytest.fixture
-def runners(monkeypatch: pytest.MonkeyPatch) -> Iterator[Runners]:
-    """The runners the test's episodes ran on (from the pool or started for them)."""
-    seen = Runners()
-    original = SandboxRuntime._start
-
-    def start(runtime: SandboxRuntime) -> Any:
-        runner = original(runtime)
-        seen.started.append(runner)
-        return runner
-
-    monkeypatch.setattr(SandboxRuntime, "_start", start)
-    yield seen
-    seen.gone()
 
 
-class Scripted(Spy):
-    """A `Spy` the research API can take as a caller's own provider."""
-
-    def prepare(self) -> None:
-        pass
 
 
 def sandboxed(source: str, workdir: Path, script: list[dict[str, Any]] | None = None, *,
@@ -84,24 +61,8 @@ def sandboxed(source: str, workdir: Path, script: list[dict[str, Any]] | None = 
         return runtime.run("task", INSTRUCTION, DirectoryShell(workdir, command_timeout_sec=30)), runtime
 
 
-def traced(source: str, workdir: Path, script: list[dict[str, Any]] | None = None,
-           **kwargs: Any) -> tuple[RunResult, dict[str, Any]]:
-    """The episode through the research API on `sandbox`, and the trace it wrote."""
-    trace = workdir / "trace.json"
-
-    async def main() -> RunResult:
-        async with wmo_trio.open_episode_pool(limit=2) as pool:
-            return await pool.run(code_doc(source), Scripted(script or [{"text": "unused"}]), INSTRUCTION,
-                                  DirectoryEnvironment(workdir), trace_path=trace,
-                                  backend="sandbox", **kwargs)
-
-    result = trio.run(main)
-    return result, json.loads(trace.read_text())
 
 
-def answer_of(result: RunResult) -> Any:
-    assert result.stop_reason is StopReason.SUBMITTED, result.steps
-    return json.loads(result.answer)
 
 
 def last_error(result: RunResult) -> str:
@@ -564,7 +525,7 @@ def run(kit):
 
 @pytest.mark.harbor
 def test_a_hostile_program_through_harbors_cli_is_contained_and_scored(tmp_path: Path) -> None:
-    from test_local_environment import reward, run_harbor, trial_results
+    from support.sandbox import reward, run_harbor, trial_results
 
     if os.geteuid() != 0:
         pytest.skip("harbor's trial runs in the docker-free environment, as root")
