@@ -241,3 +241,46 @@ def test_loading_the_agent_the_environment_and_the_cli_imports_nothing_heavy() -
         "agent alone: the sandbox": [],
         "agent, environment and command line: heavy": [],
     }
+
+
+# A package's face is its `__init__` (its `__all__`); the modules behind it are private
+# (`_name`), so a reader finds a part's public names in one place (issue 39). What is
+# public besides the packages, and why:
+PUBLIC_MODULES = {
+    "wmo_trio.models", "wmo_trio.settings", "wmo_trio.trace",  # the data users read and write
+    "wmo_trio.episode.portable",  # a program the backends ship by its file name
+    "wmo_trio.backends.sandbox",  # branch craftsbx's, being reshaped
+    # the old paths wmo_trio.backends.sandbox imports, until branch craftsbx's merge
+    "wmo_trio.episode.channel", "wmo_trio.episode.environment", "wmo_trio.episode.runtime",
+    "wmo_trio.episode.services", "wmo_trio.providers.base",
+}
+
+
+def public_modules() -> set[str]:
+    """The modules of wmo_trio that are neither a package nor named `_private`."""
+    return {_module_name(path) for path in PACKAGE.rglob("*.py")
+            if path.name != "__init__.py" and not path.name.startswith("_")
+            and "examples" not in path.relative_to(PACKAGE).parts}
+
+
+def test_every_module_behind_a_packages_face_is_private() -> None:
+    assert public_modules() - PUBLIC_MODULES == set()
+    assert PUBLIC_MODULES <= public_modules()  # a module made private leaves this list
+
+
+def test_every_package_with_private_modules_lists_its_face() -> None:
+    # wmo_trio.cli's face is the `wmo-trio` command, not names to import
+    faceless = [path.parent.name for path in PACKAGE.rglob("__init__.py")
+                if "examples" not in path.parts and path.parent.name != "cli"
+                and any(path.parent.glob("_*.py"))
+                and "__all__" not in path.read_text(encoding="utf-8")]
+    assert faceless == []
+
+
+def test_the_old_name_of_the_directory_environment_still_works_and_says_its_new_one() -> None:
+    import wmo_trio
+
+    with pytest.warns(DeprecationWarning, match="now DirectoryEnvironment"):
+        old = wmo_trio.LocalProcessEnvironment  # type: ignore[attr-defined]
+    assert old is wmo_trio.DirectoryEnvironment
+    assert "LocalProcessEnvironment" not in wmo_trio.__all__
