@@ -82,8 +82,7 @@ def _summary(samples_s: list[float]) -> dict[str, float]:
 
 
 def _start(n: int, workdir: Path) -> dict[str, Any]:
-    from wmo_trio.backends import build_execution
-    from wmo_trio.backends.sandbox import SandboxSettings, sandbox_problem
+    from wmo_trio.backends import SandboxSettings, build_execution, sandbox_problem
     from wmo_trio.episode import DirectoryShell
 
     problem = sandbox_problem()

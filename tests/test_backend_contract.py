@@ -23,8 +23,7 @@ from doubles import Spy, make_doc, untimed
 from e2b_fake import FakeE2B
 from support.programs import AGENT, INSTRUCTION, SOLVE, call, code_doc, reply, run_on
 
-from wmo_trio.backends import BACKENDS, build_execution
-from wmo_trio.backends.sandbox import sandbox_problem
+from wmo_trio.backends import BACKENDS, build_execution, sandbox_problem
 from wmo_trio.episode import DirectoryShell, _channel
 from wmo_trio.episode._channel import MAX_FREE_CALLS
 from wmo_trio.episode._execution import ExecutionBase

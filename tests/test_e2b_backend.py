@@ -23,9 +23,8 @@ from e2b_fake import FakeE2B
 from harbor_jobs import run_job_here
 from support.programs import AGENT, INSTRUCTION, call, code_doc, reply, run_on, text_call
 
-from wmo_trio.backends import build_execution, check_backend
+from wmo_trio.backends import build_execution, check_backend, sandbox_problem
 from wmo_trio.backends._e2b import E2BExecution, E2BSettings
-from wmo_trio.backends.sandbox import sandbox_problem
 from wmo_trio.episode import DirectoryShell, LocalExecution
 from wmo_trio.harness import load_harness
 from wmo_trio.models import ActionKind, RunResult, StopReason

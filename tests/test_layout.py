@@ -206,7 +206,7 @@ def test_the_floor_check_refuses_newer_syntax_and_other_packages() -> None:
 HEAVY = ("anthropic", "openai", "e2b", "numpy", "scipy", "matplotlib", "litellm", "trio_asyncio",
          "ray")
 # wmo_trio's own modules that bring them, or that only some trials use.
-HEAVY_OWN = ("wmo_trio.compare", "wmo_trio.backends._e2b", "wmo_trio.backends.sandbox",
+HEAVY_OWN = ("wmo_trio.compare", "wmo_trio.backends._e2b", "wmo_trio.backends._sandbox",
              "wmo_trio.providers._anthropic", "wmo_trio.providers._openai", "wmo_trio.research",
              "wmo_trio.cluster")
 
@@ -249,10 +249,6 @@ def test_loading_the_agent_the_environment_and_the_cli_imports_nothing_heavy() -
 PUBLIC_MODULES = {
     "wmo_trio.models", "wmo_trio.settings", "wmo_trio.trace",  # the data users read and write
     "wmo_trio.episode.portable",  # a program the backends ship by its file name
-    "wmo_trio.backends.sandbox",  # branch craftsbx's, being reshaped
-    # the old paths wmo_trio.backends.sandbox imports, until branch craftsbx's merge
-    "wmo_trio.episode.channel", "wmo_trio.episode.environment", "wmo_trio.episode.runtime",
-    "wmo_trio.episode.services", "wmo_trio.providers.base",
 }
 
 

@@ -41,7 +41,7 @@ from support.sandbox import (
     until_sleeping,
 )
 
-from wmo_trio.sandbox._namespace import wait_for_removals
+from wmo_trio.sandbox import wait_for_removals
 
 pytestmark = SANDBOX_MARKS
 

@@ -32,9 +32,16 @@ from support.sandbox_runner import (
 )
 
 import wmo_trio
-from wmo_trio.backends import build_execution, check_backend, resolve_backend
+from wmo_trio.backends import (
+    SandboxExecution,
+    SandboxSettings,
+    build_execution,
+    check_backend,
+    resolve_backend,
+    sandbox_problem,
+)
 from wmo_trio.backends._frames import MAX_FRAME_BYTES
-from wmo_trio.backends.sandbox import SandboxRuntime, SandboxSettings, python_runtime, sandbox_problem
+from wmo_trio.backends._sandbox_runner import python_install
 from wmo_trio.episode import DirectoryShell
 from wmo_trio.models import RunResult, StopReason
 from wmo_trio.research import DirectoryEnvironment
@@ -55,9 +62,9 @@ COLD = SandboxSettings(pool_size=0)
 
 
 def sandboxed(source: str, workdir: Path, script: list[dict[str, Any]] | None = None, *,
-              settings: SandboxSettings = COLD, **kwargs: Any) -> tuple[RunResult, SandboxRuntime]:
+              settings: SandboxSettings = COLD, **kwargs: Any) -> tuple[RunResult, SandboxExecution]:
     provider = Spy(script or [{"text": "unused"}])
-    with SandboxRuntime(code_doc(source), provider, settings=settings, **kwargs) as runtime:
+    with SandboxExecution(code_doc(source), provider, settings=settings, **kwargs) as runtime:
         return runtime.run("task", INSTRUCTION, DirectoryShell(workdir, command_timeout_sec=30)), runtime
 
 
@@ -94,7 +101,7 @@ def test_the_built_in_loop_runs_in_the_sandbox_too(tmp_path: Path, runners: Runn
         result = runtime.run("task", INSTRUCTION, DirectoryShell(tmp_path, command_timeout_sec=30))
     finally:
         runtime.close()
-    assert isinstance(runtime, SandboxRuntime)
+    assert isinstance(runtime, SandboxExecution)
     assert (result.stop_reason, result.answer) == (StopReason.SUBMITTED, "ok")
     assert result.steps[0].observation.content == "hi\n"
 
@@ -113,7 +120,7 @@ def test_a_pooled_runner_serves_an_episode(tmp_path: Path) -> None:
 
 def test_a_program_cannot_write_host_files(tmp_path: Path, runners: Runners) -> None:
     planted = tmp_path / "planted.txt"
-    interpreter_dir = os.path.dirname(python_runtime().interpreter)
+    interpreter_dir = os.path.dirname(python_install().interpreter)
     result, trace = traced(f"""
         import json, os, sys
         def run(kit):
@@ -166,7 +173,7 @@ def test_a_program_cannot_read_the_hosts_environment_or_secrets(
     for path in ("/etc/shadow", "/etc/passwd"):
         assert seen[path] == "FileNotFoundError", (path, seen[path])
     for home in ("/root", "/home"):  # at most the way down to the Python runtime
-        leads = {target[len(home) + 1:].split("/")[0] for _, target in python_runtime().binds
+        leads = {target[len(home) + 1:].split("/")[0] for _, target in python_install().binds
                  if target.startswith(home + "/")}
         assert seen[home] == "FileNotFoundError" or set(seen[home]) <= leads, seen[home]
     assert seen["/proc/keys"] in ("", "PermissionError")  # masked
@@ -241,7 +248,7 @@ def test_a_program_sees_only_the_python_runtime_of_the_hosts_tree(tmp_path: Path
                                                          "files": files})})
     """, tmp_path)
     seen = answer_of(result)
-    runtime = python_runtime()
+    runtime = python_install()
     allowed = [target for _, target in runtime.binds]
     assert set(seen["top"]) <= {"proc", "dev", "tmp"} | {p.split("/")[1] for p in allowed}
     assert all(any(f == p or f.startswith(p + "/") for p in allowed) for f in seen["files"])
@@ -293,7 +300,7 @@ def test_a_memory_bomb_is_killed_at_the_memory_ceiling_and_the_episode_says_so(
 def test_abort_or_close_kills_a_program_that_ignores_it(tmp_path: Path, runners: Runners,
                                                         stop: str) -> None:
     provider = Spy([{"text": "ok"}])
-    runtime = SandboxRuntime(code_doc("""
+    runtime = SandboxExecution(code_doc("""
         import signal
         def run(kit):
             kit.complete("s", [{"role": "user", "content": "go"}])
@@ -401,7 +408,7 @@ def test_no_backend_named_is_sandbox_for_a_program_and_local_for_the_built_in_lo
     assert resolve_backend(code_doc(AGENT), None) == "sandbox"
     assert resolve_backend(make_doc(), None) == "local"
     assert resolve_backend(code_doc(AGENT), "local") == "local"
-    assert isinstance(build_execution(code_doc(AGENT), Spy([{"text": "unused"}])), SandboxRuntime)
+    assert isinstance(build_execution(code_doc(AGENT), Spy([{"text": "unused"}])), SandboxExecution)
 
 
 def test_the_research_api_runs_a_program_in_the_sandbox_when_no_backend_is_named(
@@ -461,18 +468,18 @@ def test_where_the_sandbox_cannot_run_one_error_names_what_is_missing(
 
 def test_threads_that_ask_at_once_whether_the_sandbox_runs_start_one_probe(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from wmo_trio.backends import sandbox
+    from wmo_trio.backends import _sandbox_runner
 
     probes: list[object] = []
     threads: list[threading.Thread] = []
-    original = sandbox._Runner.start.__func__  # type: ignore[attr-defined]
+    original = _sandbox_runner.Runner.start.__func__  # type: ignore[attr-defined]
 
     def start(cls: type, *args: Any) -> Any:
         if threading.current_thread() in threads:  # not a pool's, filling in the background
             probes.append(args)
         return original(cls, *args)
 
-    monkeypatch.setattr(sandbox._Runner, "start", classmethod(start))
+    monkeypatch.setattr(_sandbox_runner.Runner, "start", classmethod(start))
     sandbox_problem.cache_clear()
     asking = threading.Barrier(16)
     answers: list[str | None] = []

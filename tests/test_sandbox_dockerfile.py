@@ -8,7 +8,7 @@ import pytest
 
 from wmo_trio.sandbox import DockerfileError
 from wmo_trio.sandbox._dockerfile import build_plan, parse
-from wmo_trio.sandbox._image import stand_in_notice
+from wmo_trio.sandbox._stand_in import stand_in_notice
 
 
 def test_an_unterminated_heredoc_is_one_error_naming_its_line() -> None:

@@ -28,8 +28,8 @@ from support.sandbox import (
     trial_results,
 )
 
+from wmo_trio.sandbox import wait_for_removals
 from wmo_trio.sandbox._hostfs import QUARANTINE
-from wmo_trio.sandbox._namespace import wait_for_removals
 
 pytestmark = SANDBOX_MARKS
 

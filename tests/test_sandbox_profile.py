@@ -19,7 +19,7 @@ from support.sandbox import make_environment, run, running
 from support.sandbox_runner import PROBLEM as RUNNER_PROBLEM
 from support.sandbox_runner import answer_of, traced
 
-from wmo_trio.backends.sandbox import RUNNER_PROFILE, SandboxSettings
+from wmo_trio.backends import RUNNER_PROFILE, SandboxSettings
 from wmo_trio.sandbox import default_cache_dir
 from wmo_trio.sandbox._profile import (
     MASKED,

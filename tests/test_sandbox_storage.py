@@ -30,8 +30,7 @@ from support.sandbox import (
     running,
 )
 
-from wmo_trio.sandbox import _storage
-from wmo_trio.sandbox._namespace import wait_for_removals
+from wmo_trio.sandbox import _storage, wait_for_removals
 
 pytestmark = SANDBOX_MARKS
 

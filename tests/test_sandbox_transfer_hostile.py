@@ -26,7 +26,7 @@ from support.sandbox import (
     unique_seconds,
 )
 
-from wmo_trio.sandbox._transfer import TransferIncomplete
+from wmo_trio.sandbox._errors import TransferIncomplete
 
 pytestmark = SANDBOX_MARKS
 

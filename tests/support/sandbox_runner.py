@@ -14,7 +14,7 @@ from doubles import Spy
 
 import wmo_trio
 from support.programs import INSTRUCTION, code_doc
-from wmo_trio.backends.sandbox import SandboxRuntime, sandbox_problem
+from wmo_trio.backends import SandboxExecution, sandbox_problem
 from wmo_trio.models import RunResult, StopReason
 from wmo_trio.research import DirectoryEnvironment
 
@@ -38,14 +38,14 @@ class Runners:
 def runners(monkeypatch: pytest.MonkeyPatch) -> Iterator[Runners]:
     """The runners the test's episodes ran on (from the pool or started for them)."""
     seen = Runners()
-    original = SandboxRuntime._start
+    original = SandboxExecution._start
 
-    def start(runtime: SandboxRuntime) -> Any:
+    def start(runtime: SandboxExecution) -> Any:
         runner = original(runtime)
         seen.started.append(runner)
         return runner
 
-    monkeypatch.setattr(SandboxRuntime, "_start", start)
+    monkeypatch.setattr(SandboxExecution, "_start", start)
     yield seen
     seen.gone()
 

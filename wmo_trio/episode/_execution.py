@@ -270,6 +270,3 @@ class BackendEpisode(ABC):
         if execution is not None:
             execution.close()
 
-
-# `wmo_trio.backends.sandbox` (branch craftsbx) still imports the old name.
-RuntimeBase = ExecutionBase
