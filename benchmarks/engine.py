@@ -2,7 +2,7 @@
 
     python -m benchmarks.engine --impl {baseline,thread,guest,trio-asyncio} [--quick [--smoke]]
 
-prints one JSON object. Every scenario drives real `EpisodeRuntime`s (scripted provider,
+prints one JSON object. Every scenario drives real `LocalExecution`s (scripted provider,
 set latencies) against a synthetic environment whose commands are asyncio coroutines on the
 host loop, from a harbor-shaped asyncio driver: one task per trial, `asyncio.wait_for`
 timeouts. The implementations differ only in how an episode is run and how its worker
@@ -27,12 +27,12 @@ import outcome
 
 from benchmarks import baseline
 from wmo_trio.control import CallControl
-from wmo_trio.episode.environment import CommandResult, ShellEnvironment
-from wmo_trio.episode.runtime import EpisodeRuntime
+from wmo_trio.episode._environment import CommandResult, ShellEnvironment
+from wmo_trio.episode._execution import LocalExecution
 from wmo_trio.harness import parse_harness
 from wmo_trio.models import RunResult, StopReason
 from wmo_trio.providers import ProviderConfig
-from wmo_trio.providers.scripted import ScriptedProvider, load_script
+from wmo_trio.providers._scripted import ScriptedProvider, load_script
 from wmo_trio.settings import EpisodeSettings
 from wmo_trio.trace import CANCELLED_BY_CALLER, TraceIdentity, trace_for, write_trace
 
@@ -94,16 +94,16 @@ class BenchEpisode:
         self.impl, self.provider, self.exec_latency = impl, provider, exec_latency
         self.trace_dir, self.loop = trace_dir, loop
         self.cancel = threading.Event()
-        self.runtime: EpisodeRuntime | None = None
+        self.runtime: LocalExecution | None = None
         self.lock = threading.Lock()
         self.submitted = 0.0
         self.worker_started = 0.0
 
-    stop_is_quick = True  # an event and EpisodeRuntime.abort(): flags only
+    stop_is_quick = True  # an event and LocalExecution.abort(): flags only
 
     def run(self, control: CallControl) -> RunResult:
         self.worker_started = time.perf_counter()
-        runtime = EpisodeRuntime(DOC, self.provider, SETTINGS, control=control,
+        runtime = LocalExecution(DOC, self.provider, SETTINGS, control=control,
                                  should_cancel=self.cancel.is_set)
         with self.lock:
             self.runtime = runtime

@@ -53,8 +53,8 @@ class _Timed:
 
     def __init__(self, latency_s: float) -> None:
         from wmo_trio.providers import ProviderConfig
-        from wmo_trio.providers.script import load_script
-        from wmo_trio.providers.scripted import ScriptedProvider
+        from wmo_trio.providers._script import load_script
+        from wmo_trio.providers._scripted import ScriptedProvider
 
         self.inner = ScriptedProvider(ProviderConfig(kind="scripted", model="bench"),
                                       script=load_script([{"text": "ok"}]), latency_s=latency_s)
@@ -82,8 +82,8 @@ def _summary(samples_s: list[float]) -> dict[str, float]:
 
 
 def _start(n: int, workdir: Path) -> dict[str, Any]:
-    from wmo_trio.backends import SandboxSettings, build_runtime, sandbox_problem
-    from wmo_trio.episode import LocalDirEnvironment
+    from wmo_trio.backends import SandboxSettings, build_execution, sandbox_problem
+    from wmo_trio.episode import DirectoryShell
 
     problem = sandbox_problem()
     if problem is not None:
@@ -96,9 +96,9 @@ def _start(n: int, workdir: Path) -> dict[str, Any]:
     for index in range(n + 1):  # the first round warms each variant (imports, the pool)
         for name, (backend, settings) in variants.items():
             provider = _Timed(0.0)
-            runtime = build_runtime(doc, provider, backend=backend, backend_settings=settings)
+            runtime = build_execution(doc, provider, backend=backend, backend_settings=settings)
             began = time.perf_counter()
-            result = runtime.run(f"{name}-{index}", "go", LocalDirEnvironment(workdir))
+            result = runtime.run(f"{name}-{index}", "go", DirectoryShell(workdir))
             ended = time.perf_counter()
             runtime.close()
             if result.answer != "done":
@@ -119,7 +119,7 @@ def _burst(n: int, latency_s: float, workdir: Path) -> dict[str, Any]:
     import trio
 
     import wmo_trio
-    from wmo_trio.research import EpisodeSpec, LocalProcessEnvironment
+    from wmo_trio.research import DirectoryEnvironment, EpisodeSpec
 
     doc = _document()
     out: dict[str, Any] = {"n": n, "latency_s": latency_s, "ideal_s": 2 * latency_s}
@@ -129,7 +129,7 @@ def _burst(n: int, latency_s: float, workdir: Path) -> dict[str, Any]:
 
         async def main(backend: str = backend, provider: _Timed = provider) -> float:
             nonlocal submitted
-            specs = [EpisodeSpec(doc, provider, "go", LocalProcessEnvironment(workdir),
+            specs = [EpisodeSpec(doc, provider, "go", DirectoryEnvironment(workdir),
                                  task_id=f"{backend}-{i}", backend=backend) for i in range(n)]
             async with wmo_trio.open_episode_pool(limit=n) as pool:
                 began = time.perf_counter()

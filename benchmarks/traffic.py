@@ -357,7 +357,7 @@ class SleepingTrioEnvironment:
         import trio
 
         # The type `TrioEnvironment.exec` returns; not re-exported by `wmo_trio` today.
-        from wmo_trio.episode.environment import CommandResult
+        from wmo_trio.episode._environment import CommandResult
 
         self._progress.command(self)
         await trio.sleep(self._command_s)
@@ -377,7 +377,7 @@ class SendableSleepingEnvironment:
     async def exec(self, command: str) -> Any:
         import trio
 
-        from wmo_trio.episode.environment import CommandResult
+        from wmo_trio.episode._environment import CommandResult
 
         await trio.sleep(self._command_s)
         return CommandResult(f"ran {command}\n", "", 0)

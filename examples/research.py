@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 import wmo_trio
-from wmo_trio import EpisodeSpec, LocalProcessEnvironment
+from wmo_trio import DirectoryEnvironment, EpisodeSpec
 
 EXAMPLE = Path(__file__).resolve().parent / "harness.json"
 PROVIDER = {"kind": "scripted", "model": "offline"}
@@ -54,7 +54,7 @@ def main(episodes: int = 100, concurrency: int = 32) -> None:
             workdir = root / f"episode-{index}"
             workdir.mkdir()
             instruction, path, expected = task(index)
-            spec = EpisodeSpec(doc, PROVIDER, instruction, LocalProcessEnvironment(workdir),
+            spec = EpisodeSpec(doc, PROVIDER, instruction, DirectoryEnvironment(workdir),
                                task_id=f"episode-{index}", trace_path=workdir / "wmo-run.json")
             specs.append(spec)
             checks[spec.task_id] = (workdir / path, expected)

@@ -1,6 +1,6 @@
 """A loopback stand-in for the Anthropic Messages API, for testing the real SDK.
 
-`AnthropicServer` is a real HTTP server on 127.0.0.1 (stdlib `ThreadingHTTPServer` in a
+`AnthropicServer` is a real HTTP server on 127.0.0.1 (`support.loopback_server`, in a
 daemon thread). It answers `POST /v1/messages` from a queue of `Reply` values that a test
 fills in advance, one reply per request, and records every request it receives so that a
 test can assert what the provider sent. The reply builders below (`text`, `tool_use`,
@@ -15,50 +15,17 @@ spinning.
 from __future__ import annotations
 
 import itertools
-import json
-import socket
-import struct
-import threading
-from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from support.loopback_server import LoopbackServer, RecordedRequest, Reply, dropped, reset
+
+__all__ = ["API_KEY", "AnthropicServer", "RecordedRequest", "Reply", "dropped", "error", "message",
+           "raw", "redacted_thinking_block", "reset", "text", "text_block", "thinking_block",
+           "tool_use", "tool_use_block", "usage"]
 
 API_KEY = "sk-ant-test-key"
 _ids = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class Reply:
-    """One scripted answer: a status and JSON body (or raw bytes), optionally late or never
-    sent.
-
-    `delay_s` sleeps before answering (the sleep ends early when the server stops);
-    `drop` closes the connection without sending any response at all; `reset` aborts it
-    with a TCP reset.
-    """
-
-    status: int = 200
-    body: Mapping[str, Any] | None = None
-    headers: Mapping[str, str] = field(default_factory=dict)
-    delay_s: float = 0.0
-    drop: bool = False
-    reset: bool = False
-    raw_body: bytes | None = None
-    content_type: str = "application/json"
-
-    def slow(self, delay_s: float) -> Reply:
-        return replace(self, delay_s=delay_s)
-
-
-@dataclass(frozen=True)
-class RecordedRequest:
-    method: str
-    path: str
-    headers: Mapping[str, str]  # lower-cased names
-    body: Any
-    client_port: int = 0  # the connection it came on (keep-alive reuses one)
 
 
 def usage(input_tokens: int = 10, output_tokens: int = 5, *, cache_read: int = 0,
@@ -133,140 +100,31 @@ def raw(payload: bytes, *, status: int = 200, content_type: str = "application/j
     return Reply(status, raw_body=payload, content_type=content_type)
 
 
-def dropped() -> Reply:
-    return Reply(drop=True)
-
-
-def reset() -> Reply:
-    return Reply(reset=True)
-
-
-class AnthropicServer:
+class AnthropicServer(LoopbackServer):
     """See the module docstring. Use as a context manager, or `start()`/`stop()`."""
 
+    thread_name = "anthropic-test-server"
+
     def __init__(self, api_key: str = API_KEY) -> None:
+        super().__init__()
         self.api_key = api_key
-        self._queue: deque[Reply] = deque()
-        self._requests: list[RecordedRequest] = []
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
-        self._httpd.daemon_threads = True
-        self._thread: threading.Thread | None = None
 
     @property
     def base_url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host!s}:{port}"
-
-    def enqueue(self, *replies: Reply) -> None:
-        with self._lock:
-            self._queue.extend(replies)
-
-    @property
-    def requests(self) -> list[RecordedRequest]:
-        with self._lock:
-            return list(self._requests)
+        return self.origin
 
     @property
     def bodies(self) -> list[Any]:
         return [request.body for request in self.requests]
 
-    @property
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._queue)
-
-    def start(self) -> None:
-        # stop() waits up to one poll for the serving loop: a short one keeps each test's teardown short.
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.01},
-                                        name="anthropic-test-server", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopping.set()  # wakes handlers sleeping in a slow reply
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        if self._thread is not None:
-            self._thread.join()
-
-    def __enter__(self) -> AnthropicServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    # -- request handling -----------------------------------------------------------------
-
-    def _next_reply(self, request: RecordedRequest) -> Reply:
-        with self._lock:
-            self._requests.append(request)
-            if request.method != "POST" or request.path.split("?")[0] != "/v1/messages":
-                return error(404, f"test server: no route {request.method} {request.path}")
-            if not self._authorized(request.headers):
-                return error(401, "test server: missing or wrong API key")
-            if not self._queue:
-                return error(400, "test server: no reply queued for this request")
-            return self._queue.popleft()
+    def answer(self, request: RecordedRequest) -> Reply:
+        if request.method != "POST" or request.path.split("?")[0] != "/v1/messages":
+            return error(404, f"test server: no route {request.method} {request.path}")
+        if not self._authorized(request.headers):
+            return error(401, "test server: missing or wrong API key")
+        queued = self.next_queued()
+        return queued or error(400, "test server: no reply queued for this request")
 
     def _authorized(self, headers: Mapping[str, str]) -> bool:
         bearer = headers.get("authorization", "")
         return headers.get("x-api-key") == self.api_key or bearer == f"Bearer {self.api_key}"
-
-    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive, as the SDK's connection pool expects
-
-            def do_POST(self) -> None:
-                self._answer()
-
-            def do_GET(self) -> None:
-                self._answer()
-
-            def _answer(self) -> None:
-                length = int(self.headers.get("content-length") or 0)
-                raw = self.rfile.read(length) if length else b""
-                try:
-                    body: Any = json.loads(raw) if raw else None
-                except json.JSONDecodeError:
-                    body = raw.decode("utf-8", "replace")
-                recorded = RecordedRequest(
-                    method=self.command,
-                    path=self.path,
-                    headers={k.lower(): v for k, v in self.headers.items()},
-                    body=body,
-                    client_port=self.client_address[1],
-                )
-                reply = server._next_reply(recorded)
-                if reply.delay_s > 0 and server._stopping.wait(reply.delay_s):
-                    reply = dropped()
-                if reply.reset:
-                    # SO_LINGER with a zero timeout: close() sends a RST, not a FIN.
-                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                               struct.pack("ii", 1, 0))
-                    self.connection.close()
-                    self.close_connection = True
-                    return
-                if reply.drop:
-                    self.close_connection = True
-                    return
-                if reply.raw_body is not None:
-                    payload = reply.raw_body
-                else:
-                    payload = json.dumps(reply.body if reply.body is not None else {}).encode()
-                self.send_response(reply.status)
-                self.send_header("content-type", reply.content_type)
-                self.send_header("content-length", str(len(payload)))
-                self.send_header("request-id", f"req_test_{next(_ids)}")
-                for name, value in reply.headers.items():
-                    self.send_header(name, value)
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass  # keep test output clean
-
-        return Handler

@@ -9,7 +9,7 @@ from typing import Any
 from wmo_trio.harness import HarnessDoc, parse_harness
 from wmo_trio.models import Step
 from wmo_trio.providers import CallControl, ProviderConfig, ProviderRequest, ProviderResponse
-from wmo_trio.providers.scripted import ScriptedProvider, load_script
+from wmo_trio.providers._scripted import ScriptedProvider, load_script
 
 
 def make_doc(**params: Any) -> HarnessDoc:

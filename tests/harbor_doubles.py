@@ -41,7 +41,7 @@ from harbor.models.agent.context import AgentContext
 from wmo_trio.harbor import WmoTrioHarborAgent
 from wmo_trio.harbor._trajectory import TRAJECTORY_FILENAME
 from wmo_trio.providers import register_provider
-from wmo_trio.providers.base import (
+from wmo_trio.providers._base import (
     CallControl,
     ProviderConfig,
     ProviderConfigError,
@@ -50,7 +50,7 @@ from wmo_trio.providers.base import (
     ProviderRequest,
     ProviderResponse,
 )
-from wmo_trio.providers.scripted import ScriptedProvider, load_script
+from wmo_trio.providers._scripted import ScriptedProvider, load_script
 from wmo_trio.trace import TRACE_FILENAME, Trace, parse_trace
 
 # A small valid harness document: two prompts, the default tools, room for long episodes.

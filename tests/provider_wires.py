@@ -19,9 +19,9 @@ from typing import Any
 import anthropic_server
 import openai_server
 
-from wmo_trio.providers.anthropic import AnthropicProvider
-from wmo_trio.providers.base import CallControl, Message, Provider, ProviderRequest, ToolCall, ToolSpec
-from wmo_trio.providers.openai import OpenAIProvider
+from wmo_trio.providers._anthropic import AnthropicProvider
+from wmo_trio.providers._base import CallControl, Message, Provider, ProviderRequest, ToolCall, ToolSpec
+from wmo_trio.providers._openai import OpenAIProvider
 
 FAST_RETRY = {"max_attempts": 6, "base_delay_s": 0.01, "max_delay_s": 0.05, "retry_after_cap_s": 0.05}
 # A generous bound for things that would take many seconds (or an hour) if broken; real

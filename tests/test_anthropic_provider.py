@@ -20,13 +20,13 @@ from anthropic_server import AnthropicServer
 from doubles import untimed
 from provider_wires import FAST_RETRY, call, closing_all, request, tool_result, user
 
-from wmo_trio.episode.environment import LocalDirEnvironment
-from wmo_trio.episode.runtime import EpisodeRuntime
+from wmo_trio.episode._environment import DirectoryShell
+from wmo_trio.episode._execution import LocalExecution
 from wmo_trio.harness import parse_harness
 from wmo_trio.models import TokenUsage
 from wmo_trio.providers import build_provider
-from wmo_trio.providers.anthropic import AnthropicProvider
-from wmo_trio.providers.base import (
+from wmo_trio.providers._anthropic import AnthropicProvider
+from wmo_trio.providers._base import (
     CallControl,
     FinishReason,
     Message,
@@ -38,7 +38,7 @@ from wmo_trio.providers.base import (
     ToolCall,
     ToolSpec,
 )
-from wmo_trio.providers.http import retry_after_seconds
+from wmo_trio.providers._http import retry_after_seconds
 
 KEY_ENV = "WMO_TEST_ANTHROPIC_KEY"
 BREAKPOINT = {"type": "ephemeral"}
@@ -354,8 +354,8 @@ INSTRUCTION = "Write 'hello' into greeting.txt, then submit."
 
 def run_episode(provider: Provider, workdir: Path) -> Any:
     workdir.mkdir()
-    with EpisodeRuntime(DOC, provider, {"episode_timeout_sec": 60}) as runtime:
-        return runtime.run("greeting", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=10))
+    with LocalExecution(DOC, provider, {"episode_timeout_sec": 60}) as runtime:
+        return runtime.run("greeting", INSTRUCTION, DirectoryShell(workdir, command_timeout_sec=10))
 
 
 def test_a_recorded_episode_replays_the_same(anthropic_server: AnthropicServer,

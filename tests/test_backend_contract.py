@@ -5,7 +5,7 @@ process), `e2b` (the real e2b SDK against the loopback fake of tests/e2b_fake.py
 A program sends the same requests on each, valid ones and malformed ones, through its kit
 or past it (to `kit._channel`, which a program can reach on every backend); every backend
 must answer as the others do: the same ending, the same steps, and for a request the host
-refuses (`wmo_trio.episode.channel`) an `error` ending with a step that says why, never a
+refuses (`wmo_trio.episode._channel`) an `error` ending with a step that says why, never a
 crash. What belongs to one backend (its transport, its frames, its sandbox) is tested
 beside it: tests/test_e2b_backend.py, tests/test_sandbox_backend.py.
 """
@@ -15,22 +15,20 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from doubles import Spy, make_doc, untimed
 from e2b_fake import FakeE2B
-from test_code_runtime import AGENT, INSTRUCTION, SOLVE, code_doc
+from support.programs import AGENT, INSTRUCTION, SOLVE, call, code_doc, reply, run_on
 
-from wmo_trio.backends import BACKENDS, build_runtime, sandbox_problem
-from wmo_trio.episode import LocalDirEnvironment, channel
-from wmo_trio.episode.channel import MAX_FREE_CALLS
-from wmo_trio.episode.runtime import RuntimeBase
-from wmo_trio.episode.services import ELIDED
-from wmo_trio.harness import HarnessDoc
-from wmo_trio.models import RunResult, StopReason
+from wmo_trio.backends import BACKENDS, build_execution, sandbox_problem
+from wmo_trio.episode import DirectoryShell, _channel
+from wmo_trio.episode._channel import MAX_FREE_CALLS
+from wmo_trio.episode._execution import ExecutionBase
+from wmo_trio.episode._services import ELIDED
+from wmo_trio.models import StopReason
 
 SANDBOX_PROBLEM = sandbox_problem()
 SANDBOX = pytest.param("sandbox", marks=[
@@ -50,21 +48,10 @@ def backend(request: pytest.FixtureRequest) -> str:
     return name
 
 
-def run_on(backend: str, doc: HarnessDoc, provider: Any, workdir: Path, *,
-           should_cancel: Callable[[], bool] | None = None,
-           backend_settings: dict[str, Any] | None = None, **settings: Any) -> RunResult:
-    """The episode of `doc` on `backend`; `settings` are the episode's (`EpisodeSettings`)."""
-    with build_runtime(doc, provider, settings, backend=backend, backend_settings=backend_settings,
-                       should_cancel=should_cancel) as runtime:
-        return runtime.run("task", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=30))
 
 
-def call(tool: str, **arguments: str) -> dict[str, Any]:
-    return {"name": tool, "arguments": arguments}
 
 
-def reply(*calls: dict[str, Any], text: str = "") -> dict[str, Any]:
-    return {"text": text, "tool_calls": list(calls)}
 
 
 # =======================================================================================
@@ -80,19 +67,19 @@ def test_a_program_solves_the_task_through_its_kit(backend: str, tmp_path: Path)
 
 
 def test_a_runtime_is_closed_when_its_with_block_ends(backend: str, tmp_path: Path) -> None:
-    with build_runtime(code_doc(AGENT), Spy(SOLVE), backend=backend) as runtime:
-        result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path, command_timeout_sec=30))
-        assert isinstance(runtime, RuntimeBase) and not runtime.control.interrupted
+    with build_execution(code_doc(AGENT), Spy(SOLVE), backend=backend) as runtime:
+        result = runtime.run("task", INSTRUCTION, DirectoryShell(tmp_path, command_timeout_sec=30))
+        assert isinstance(runtime, ExecutionBase) and not runtime.control.interrupted
     assert result.stop_reason is StopReason.SUBMITTED
     assert runtime.control.interrupted  # close() interrupts whatever call is left
     with pytest.raises(RuntimeError, match="runs a single episode"):
-        runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path, command_timeout_sec=30))
+        runtime.run("task", INSTRUCTION, DirectoryShell(tmp_path, command_timeout_sec=30))
 
 
 def test_a_backend_named_builds_the_runtime_it_declares(backend: str) -> None:
     declared = BACKENDS[backend]
-    with build_runtime(code_doc(AGENT), Spy(SOLVE), backend=backend) as runtime:
-        assert type(runtime) is declared.runtime_class()
+    with build_execution(code_doc(AGENT), Spy(SOLVE), backend=backend) as runtime:
+        assert type(runtime) is declared.execution_class()
     assert declared.name == backend
 
 
@@ -101,10 +88,10 @@ def test_closing_a_runtime_while_it_runs_ends_the_episode_as_cancelled(backend: 
     # close() interrupts the control, the one stop signal, on every backend alike.
     provider = Spy([{"text": "slow", "latency_s": 60}, {"text": "unused"}])
     started = time.monotonic()
-    with build_runtime(make_doc(), provider, backend=backend) as runtime:
+    with build_execution(make_doc(), provider, backend=backend) as runtime:
         closer = threading.Thread(target=lambda: provider.calling.wait() and runtime.close())
         closer.start()
-        result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path, command_timeout_sec=30))
+        result = runtime.run("task", INSTRUCTION, DirectoryShell(tmp_path, command_timeout_sec=30))
         closer.join()  # its kill of a remote sandbox may outlast the run
     assert result.stop_reason is StopReason.CANCELLED
     assert len(provider.requests) == 1 and time.monotonic() - started < 50
@@ -230,7 +217,7 @@ def test_a_refused_request_ends_the_episode_with_error_and_says_why(
     backend: str, tmp_path: Path, case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     free_calls = MAX_FREE_CALLS if backend == "local" else RUNNER_FREE_CALLS
-    monkeypatch.setattr(channel, "MAX_FREE_CALLS", free_calls)
+    monkeypatch.setattr(_channel, "MAX_FREE_CALLS", free_calls)
     request, message = REFUSED[case][0], REFUSED[case][1].format(free_calls=free_calls)
     source = f"""
     def run(kit):
@@ -258,11 +245,11 @@ def test_a_refused_request_ends_the_episode_with_error_and_says_why(
 
 def test_a_backends_settings_are_checked_by_its_own_model_before_anything_runs() -> None:
     with pytest.raises(ValueError, match=r"^harness_backend='local' takes no settings$"):
-        build_runtime(make_doc(), Spy(SOLVE), backend="local", backend_settings={"cpus": 2})
+        build_execution(make_doc(), Spy(SOLVE), backend="local", backend_settings={"cpus": 2})
     with pytest.raises(ValueError, match=r"^harness_backend='sandbox': unknown setting cpu "):
-        build_runtime(make_doc(), Spy(SOLVE), backend="sandbox", backend_settings={"cpu": 2})
+        build_execution(make_doc(), Spy(SOLVE), backend="sandbox", backend_settings={"cpu": 2})
     with pytest.raises(ValueError, match=r"^harness_backend must be one of 'local', 'e2b', 'sandbox'"):
-        build_runtime(make_doc(), Spy(SOLVE), backend="docker")
+        build_execution(make_doc(), Spy(SOLVE), backend="docker")
 
 
 def test_in_process_a_request_whose_values_are_not_json_is_refused(tmp_path: Path) -> None:

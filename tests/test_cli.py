@@ -17,20 +17,14 @@ from pathlib import Path
 
 import pyte
 import pytest
+from support.cli import CLI, ROOT, wmo_trio
 
 from wmo_trio.harness import load_harness
 
 pytestmark = pytest.mark.slow  # runs the wmo-trio command in subprocesses
 
-ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-c", "from wmo_trio.cli import main; main()"]
 
 
-def wmo_trio(*args: str, cwd: Path, env: dict[str, str] | None = None,
-             timeout: float = 300, cli: list[str] = CLI) -> subprocess.CompletedProcess[str]:
-    environment = {k: v for k, v in os.environ.items() if k != "ANTHROPIC_API_KEY"}
-    return subprocess.run([*cli, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**environment, **(env or {})})
 
 
 # `wmo-trio`, writing as it exits the harbor modules it imported to the file $HARBOR_IMPORTS.

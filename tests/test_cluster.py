@@ -300,7 +300,7 @@ async def _within(seconds: float, afn: Any) -> None:
 async def test_the_research_fan_out_runs_on_two_workers_and_refuses_what_cannot_be_sent(
         ray_cluster: Any, tmp_path: Path) -> None:
     import wmo_trio
-    from wmo_trio import EpisodeSpec, HarborEnvironment, LocalProcessEnvironment
+    from wmo_trio import DirectoryEnvironment, EpisodeSpec, HarborEnvironment
 
     doc = wmo_trio.load_harness(ROOT / "examples" / "harness.json")
     provider = {"kind": "scripted", "model": "offline"}
@@ -311,10 +311,10 @@ async def test_the_research_fan_out_runs_on_two_workers_and_refuses_what_cannot_
                                  task_id="harbor", trace_path=tmp_path / "harbor.json")
         with pytest.raises(ValueError, match="cannot be sent to a worker process"):
             async with pool.fan_out([EpisodeSpec(doc, provider, task.format("y.txt"),
-                                                 LocalProcessEnvironment(tmp_path)), unsendable]):
+                                                 DirectoryEnvironment(tmp_path)), unsendable]):
                 pass
         assert list(tmp_path.iterdir()) == []  # refused before anything ran
-        specs = [EpisodeSpec(doc, provider, task.format(f"out-{i}.txt"), LocalProcessEnvironment(tmp_path),
+        specs = [EpisodeSpec(doc, provider, task.format(f"out-{i}.txt"), DirectoryEnvironment(tmp_path),
                              task_id=f"task-{i}", trace_path=tmp_path / f"trace-{i}.json")
                  for i in range(12)]
         seen: list[str] = []
@@ -332,14 +332,14 @@ async def test_cancelling_a_fan_out_on_workers_writes_each_partial_trace_here(
         ray_cluster: Any, tmp_path: Path) -> None:
     import wmo_trio
     from benchmarks.messages_server import serve
-    from wmo_trio import EpisodeSpec, LocalProcessEnvironment
+    from wmo_trio import DirectoryEnvironment, EpisodeSpec
 
     doc = wmo_trio.load_harness(ROOT / "examples" / "harness.json")
     with serve(delay_s=0, tool_calls=4) as server:
         server.hold()
         provider = {"kind": "anthropic", "model": "claude-bench", "base_url": server.base_url,
                     "api_key_env": KEY_ENV}
-        specs = [EpisodeSpec(doc, provider, "run four steps", LocalProcessEnvironment(tmp_path),
+        specs = [EpisodeSpec(doc, provider, "run four steps", DirectoryEnvironment(tmp_path),
                              task_id=f"held-{i}", trace_path=tmp_path / f"held-{i}.json")
                  for i in range(4)]
         async with wmo_trio.open_episode_pool(limit=4, ray_address=ray_cluster.address) as pool:

@@ -134,7 +134,7 @@ async def test_an_address_where_nothing_answers_is_one_line_at_once() -> None:
 
 
 def test_an_agents_arguments_travel_as_data(tmp_path: Path) -> None:
-    from wmo_trio.agent_arguments import portable_arguments
+    from wmo_trio._agent_arguments import portable_arguments
     from wmo_trio.harness import load_harness
 
     script = tmp_path / "script.json"

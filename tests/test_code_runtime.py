@@ -1,72 +1,28 @@
-"""`code:runtime` documents on the local backend: `EpisodeRuntime` runs the program and its kit in-process."""
+"""`code:runtime` documents on the local backend: `LocalExecution` runs the program and its kit in-process."""
 
 from __future__ import annotations
 
-import json
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from doubles import Spy, when
+from support.programs import AGENT, INSTRUCTION, SOLVE, code_doc
 
-from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
+from wmo_trio.episode import DirectoryShell, LocalExecution
+from wmo_trio.episode._services import tools_text
 from wmo_trio.episode.portable import parse_tool_call
-from wmo_trio.episode.services import tools_text
-from wmo_trio.harness import HarnessDoc, parse_harness
+from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import ActionKind, RunResult, StopReason
-
-# The program docs/documents.md shows: a text-protocol agent over the kit.
-AGENT = """
-def run(kit):
-    system = kit.system_prompt + "\\n\\n" + kit.tools_text()
-    messages = [{"role": "user", "content": kit.instruction}]
-    for _ in range(kit.params["max_turns"]):
-        reply = kit.complete(system, messages)
-        messages.append({"role": "assistant", "content": reply})
-        call = kit.parse_tool_call(reply)
-        if call is None:
-            return reply.strip()
-        observation = kit.execute(call["tool"], call["arguments"])  # submit does not return
-        messages.append({"role": "user", "content": observation.content})
-    return ""
-"""
-INSTRUCTION = "Create the file `out/greeting.txt` whose whole content is the line `hi`"
-
-
-def text_call(tool: str, **arguments: str) -> dict[str, Any]:
-    """A scripted model reply that writes a tool call as text, in a json fence."""
-    return {"text": f"Next step.\n```json\n{json.dumps({'tool': tool, 'arguments': arguments})}\n```"}
-
-
-SOLVE = [text_call("write_file", path="out/greeting.txt", content="hi\n"),
-         text_call("read_file", path="out/greeting.txt"),
-         text_call("submit", answer="wrote out/greeting.txt")]
-
-
-def code_doc(source: str, *, policy: str | None = None, skill: str | None = None,
-             **params: int) -> HarnessDoc:
-    surfaces: list[dict[str, Any]] = [
-        {"id": "prompt:core", "kind": "prompt", "content": "You are a careful agent."},
-        {"id": "code:runtime", "kind": "code", "content": textwrap.dedent(source)},
-    ]
-    if policy is not None:
-        surfaces.append({"id": "tool_policy:main", "kind": "tool_policy", "content": policy})
-    if skill is not None:
-        surfaces.append({"id": "skill:notes", "kind": "skill",
-                         "content": f"---\nname: notes\ndescription: How to take notes\n---\n{skill}"})
-    for name, value in params.items():
-        surfaces.append({"id": f"param:{name.replace('_', '-')}", "kind": "param", "content": str(value)})
-    return parse_harness({"name": "code", "surfaces": surfaces})
 
 
 def run_code(doc: HarnessDoc, script: list[dict[str, Any]], workdir: Path,
              **settings: Any) -> tuple[RunResult, Spy]:
     """The episode of `doc`; `settings` are the episode's (`EpisodeSettings`)."""
     provider = Spy(script)
-    runtime = EpisodeRuntime(doc, provider, settings)
-    result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=30))
+    runtime = LocalExecution(doc, provider, settings)
+    result = runtime.run("task", INSTRUCTION, DirectoryShell(workdir, command_timeout_sec=30))
     return result, provider
 
 
@@ -318,8 +274,8 @@ def test_should_cancel_stops_the_program_at_its_next_kit_call(tmp_path: Path) ->
         return "finished"
     """
     doc = code_doc(source)
-    runtime = EpisodeRuntime(doc, Spy([{"text": "x"}]), should_cancel=lambda: len(env_calls) >= 1)
-    environment = LocalDirEnvironment(tmp_path, command_timeout_sec=30)
+    runtime = LocalExecution(doc, Spy([{"text": "x"}]), should_cancel=lambda: len(env_calls) >= 1)
+    environment = DirectoryShell(tmp_path, command_timeout_sec=30)
     original = environment.execute
 
     def counting_execute(action: Any) -> Any:
@@ -341,10 +297,10 @@ def test_abort_interrupts_a_model_call_in_flight(tmp_path: Path) -> None:
         return "never"
     """
     provider = Spy([{"text": "x"}], latency_s=30)
-    runtime = EpisodeRuntime(code_doc(source), provider)
+    runtime = LocalExecution(code_doc(source), provider)
     when(provider.calling, runtime.abort)
     started = time.monotonic()
-    result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path, command_timeout_sec=30))
+    result = runtime.run("task", INSTRUCTION, DirectoryShell(tmp_path, command_timeout_sec=30))
     assert time.monotonic() - started < 5
     assert result.stop_reason is StopReason.CANCELLED
 
@@ -366,10 +322,10 @@ def test_the_wall_clock_budget_interrupts_the_program(tmp_path: Path) -> None:
 
 
 def test_a_code_runtime_runs_once(tmp_path: Path) -> None:
-    runtime = EpisodeRuntime(code_doc("def run(kit):\n    return 'a'\n"), Spy([{"text": "x"}]))
-    runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path))
+    runtime = LocalExecution(code_doc("def run(kit):\n    return 'a'\n"), Spy([{"text": "x"}]))
+    runtime.run("task", INSTRUCTION, DirectoryShell(tmp_path))
     with pytest.raises(RuntimeError, match="single episode"):
-        runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path))
+        runtime.run("task", INSTRUCTION, DirectoryShell(tmp_path))
     runtime.close()
     runtime.close()
 

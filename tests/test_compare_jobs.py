@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 from harbor.models.trial.result import TrialResult
 from harbor_jobs import run_job_here
-from test_readme import all_blocks, blocks, make_clone, run_as_written
+from support.readme import all_blocks, blocks, make_clone, run_as_written
 from typer.testing import CliRunner
 
-from wmo_trio import LocalProcessEnvironment, load_harness, open_episode_pool
+from wmo_trio import DirectoryEnvironment, load_harness, open_episode_pool
 from wmo_trio.cli import app
 from wmo_trio.compare import CompareError, compare, compare_jobs, load_jobs, record_from_run
 
@@ -313,7 +313,7 @@ async def test_research_episodes_compare_the_same_way(tmp_path: Path) -> None:
                 instruction = (f"Create the file `out.txt` whose whole content is the line "
                                f"`{line}`")
                 result = await pool.run(doc, provider, instruction,
-                                        LocalProcessEnvironment(workdir), task_id=f"greet-{index}")
+                                        DirectoryEnvironment(workdir), task_id=f"greet-{index}")
                 written = workdir / "out.txt"
                 reward = float(written.is_file() and written.read_text() == line + "\n")
                 records.append(record_from_run(doc, f"greet-{index}", result, reward,

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from wmo_trio.episode import deadlines
-from wmo_trio.episode.deadlines import DeadlineWatch
+from wmo_trio.episode import _deadlines as deadlines
+from wmo_trio.episode._deadlines import DeadlineWatch
 
 
 def test_deadlines_fire_in_order() -> None:

@@ -1,5 +1,5 @@
-"""The e2b backend: episodes whose loop runs in an E2B sandbox (`E2BRuntime`), and
-`build_runtime` / `check_backend`.
+"""The e2b backend: episodes whose loop runs in an E2B sandbox (`E2BExecution`), and
+`build_execution` / `check_backend`.
 
 Everything goes through the real `e2b` SDK to the loopback fake in `e2b_fake.py`, whose
 sandboxes are real processes (in a private root filesystem when the tests run as root).
@@ -21,12 +21,11 @@ import pytest
 from doubles import Spy, make_doc
 from e2b_fake import FakeE2B
 from harbor_jobs import run_job_here
-from test_backend_contract import call, reply, run_on
-from test_code_runtime import AGENT, INSTRUCTION, code_doc, text_call
+from support.programs import AGENT, INSTRUCTION, call, code_doc, reply, run_on, text_call
 
-from wmo_trio.backends import build_runtime, check_backend, sandbox_problem
-from wmo_trio.backends.e2b import E2BRuntime, E2BSettings
-from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
+from wmo_trio.backends import build_execution, check_backend, sandbox_problem
+from wmo_trio.backends._e2b import E2BExecution, E2BSettings
+from wmo_trio.episode import DirectoryShell, LocalExecution
 from wmo_trio.harness import load_harness
 from wmo_trio.models import ActionKind, RunResult, StopReason
 from wmo_trio.providers import build_provider
@@ -208,7 +207,7 @@ def start_in_thread(runtime: Any, workdir: Path) -> tuple[threading.Thread, dict
     out: dict[str, RunResult] = {}
 
     def target() -> None:
-        out["result"] = runtime.run("task", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=30))
+        out["result"] = runtime.run("task", INSTRUCTION, DirectoryShell(workdir, command_timeout_sec=30))
 
     thread = threading.Thread(target=target)
     thread.start()
@@ -217,7 +216,7 @@ def start_in_thread(runtime: Any, workdir: Path) -> tuple[threading.Thread, dict
 
 def test_abort_kills_the_sandbox_at_once(e2b: FakeE2B, tmp_path: Path) -> None:
     spy = Spy([reply(call("bash", command="echo 1")), {"text": "slow", "latency_s": 30}])
-    runtime = build_runtime(make_doc(), spy, backend="e2b")
+    runtime = build_execution(make_doc(), spy, backend="e2b")
     created = len(e2b.created)
     thread, out = start_in_thread(runtime, tmp_path)
     e2b.wait_for(lambda: len(spy.requests) == 2)  # the runner waits on a slow model call
@@ -237,7 +236,7 @@ def test_abort_during_a_long_program_computation_stops_it(e2b: FakeE2B, tmp_path
     source = ("def run(kit):\n    kit.complete('s', [{'role': 'user', 'content': 'go'}])\n"
               "    while True:\n        pass\n")
     spy = Spy([{"text": "x"}])
-    runtime = build_runtime(code_doc(source), spy, backend="e2b")
+    runtime = build_execution(code_doc(source), spy, backend="e2b")
     thread, out = start_in_thread(runtime, tmp_path)
     e2b.wait_for(lambda: len(spy.requests) == 1)  # past its model call: computing for ever
     runtime.abort()
@@ -269,7 +268,7 @@ def test_should_cancel_is_checked_before_each_call(e2b: FakeE2B, tmp_path: Path)
 
 def test_close_kills_the_sandbox_and_is_idempotent(e2b: FakeE2B, tmp_path: Path) -> None:
     spy = Spy([{"text": "slow", "latency_s": 30}])
-    runtime = build_runtime(make_doc(), spy, backend="e2b")
+    runtime = build_execution(make_doc(), spy, backend="e2b")
     thread, out = start_in_thread(runtime, tmp_path)
     e2b.wait_for(lambda: len(spy.requests) == 1)
     runtime.close()
@@ -301,17 +300,17 @@ def test_check_backend_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.parametrize("backend, code, expected", [
-    ("local", False, EpisodeRuntime), ("local", True, EpisodeRuntime),
-    ("e2b", False, E2BRuntime), ("e2b", True, E2BRuntime),
+    ("local", False, LocalExecution), ("local", True, LocalExecution),
+    ("e2b", False, E2BExecution), ("e2b", True, E2BExecution),
 ])
-def test_build_runtime_chooses_the_runtime(monkeypatch: pytest.MonkeyPatch, backend: str, code: bool,
+def test_build_execution_chooses_the_backends_class(monkeypatch: pytest.MonkeyPatch, backend: str, code: bool,
                                            expected: type) -> None:
     monkeypatch.setenv("E2B_API_KEY", "key")
     doc = code_doc(AGENT) if code else make_doc()
-    runtime = build_runtime(doc, offline(), backend=backend, backend_settings=(
+    runtime = build_execution(doc, offline(), backend=backend, backend_settings=(
         {"template": "mine", "transport_retries": 2} if backend == "e2b" else None))
     assert type(runtime) is expected
-    if isinstance(runtime, E2BRuntime):
+    if isinstance(runtime, E2BExecution):
         assert (runtime.settings.template, runtime.settings.transport_retries) == ("mine", 2)
 
 

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from processes import running, when_written
 
-from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
-from wmo_trio.episode.services import NUDGES, PrefixMemo
-from wmo_trio.episode.tools import MAX_OBSERVATION_CHARS
+from wmo_trio.episode import DirectoryShell, LocalExecution
+from wmo_trio.episode._services import NUDGES, PrefixMemo
+from wmo_trio.episode._tools import MAX_OBSERVATION_CHARS
 from wmo_trio.models import Action, ActionKind, Observation, StopReason
 from wmo_trio.providers import (
     CallControl,
@@ -39,8 +39,8 @@ TEXT = {"text": "let me think"}
 def run(script: list[dict[str, Any]], tmp_path: Path, doc: Any = None, **settings: Any) -> Any:
     """The episode of `script`; `settings` are the episode's (`EpisodeSettings`)."""
     provider = Spy(script)
-    runtime = EpisodeRuntime(doc or make_doc(), provider, settings)
-    result = runtime.run("task", "do it", LocalDirEnvironment(tmp_path, command_timeout_sec=30))
+    runtime = LocalExecution(doc or make_doc(), provider, settings)
+    result = runtime.run("task", "do it", DirectoryShell(tmp_path, command_timeout_sec=30))
     return result, provider
 
 
@@ -145,7 +145,7 @@ def test_an_environment_that_raises_ends_with_error(tmp_path: Path) -> None:
         def execute(self, action: Action) -> Observation:
             raise RuntimeError("transport gone")
 
-    runtime = EpisodeRuntime(make_doc(), Spy([bash("true"), submit()]))
+    runtime = LocalExecution(make_doc(), Spy([bash("true"), submit()]))
     result = runtime.run("t", "go", Raising())
     assert result.stop_reason is StopReason.ERROR
     assert "RuntimeError: transport gone" in result.steps[-1].observation.content
@@ -187,13 +187,13 @@ def test_an_environment_whose_interrupt_raises_does_not_stop_later_budgets(
         tmp_path: Path, caplog: Any) -> None:
     # issue 15.2: the shared deadline watcher used to die with the raising interrupt(), and
     # no budget fired again in the process: a later 0.5 s episode ran its 30 s command.
-    class Unreachable(LocalDirEnvironment):
+    class Unreachable(DirectoryShell):
         def interrupt(self) -> None:
             super().interrupt()  # the command does stop; reporting it fails
             raise ConnectionError("the sandbox cannot be reached")
 
     provider = Spy([bash("sleep 30"), submit()])
-    first = EpisodeRuntime(make_doc(), provider, {"episode_timeout_sec": 0.3})
+    first = LocalExecution(make_doc(), provider, {"episode_timeout_sec": 0.3})
     assert first.run("t", "go", Unreachable(tmp_path)).stop_reason is StopReason.BUDGET
     # logged by the watcher thread once interrupt() raised, maybe after the episode returned
     limit = time.monotonic() + 30
@@ -220,9 +220,9 @@ def test_should_cancel_stops_at_the_next_boundary_keeping_usage(tmp_path: Path) 
             calls["n"] += 1
             return super().complete(request, control)
 
-    runtime = EpisodeRuntime(make_doc(), Counting([bash("echo x > f"), submit()]),
+    runtime = LocalExecution(make_doc(), Counting([bash("echo x > f"), submit()]),
                              should_cancel=after_first_call)
-    result = runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+    result = runtime.run("t", "go", DirectoryShell(tmp_path))
     assert result.stop_reason is StopReason.CANCELLED
     assert result.steps == [] and not (tmp_path / "f").exists()  # checked before the tool call
     assert result.worker_usage is not None and result.worker_usage.calls == 1
@@ -230,10 +230,10 @@ def test_should_cancel_stops_at_the_next_boundary_keeping_usage(tmp_path: Path) 
 
 def test_abort_interrupts_a_model_call_in_flight(tmp_path: Path) -> None:
     provider = Spy([{**bash("true"), "latency_s": 30}])
-    runtime = EpisodeRuntime(make_doc(), provider)
+    runtime = LocalExecution(make_doc(), provider)
     when(provider.calling, runtime.abort)
     started = time.monotonic()
-    result = runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+    result = runtime.run("t", "go", DirectoryShell(tmp_path))
     assert result.stop_reason is StopReason.CANCELLED
     assert time.monotonic() - started < 10
 
@@ -241,17 +241,17 @@ def test_abort_interrupts_a_model_call_in_flight(tmp_path: Path) -> None:
 def test_an_interrupt_of_its_control_alone_ends_the_episode_as_cancelled(tmp_path: Path) -> None:
     # The control's interrupt is the one stop signal: no flag of the runtime's beside it.
     provider = Spy([{**bash("true"), "latency_s": 30}, submit()])
-    runtime = EpisodeRuntime(make_doc(), provider)
+    runtime = LocalExecution(make_doc(), provider)
     when(provider.calling, runtime.control.interrupt)
     started = time.monotonic()
-    result = runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+    result = runtime.run("t", "go", DirectoryShell(tmp_path))
     assert result.stop_reason is StopReason.CANCELLED
     assert len(provider.requests) == 1 and time.monotonic() - started < 10
 
 
 def test_a_true_should_cancel_interrupts_the_control(tmp_path: Path) -> None:
-    runtime = EpisodeRuntime(make_doc(), Spy([submit()]), should_cancel=lambda: True)
-    assert runtime.run("t", "go", LocalDirEnvironment(tmp_path)).stop_reason is StopReason.CANCELLED
+    runtime = LocalExecution(make_doc(), Spy([submit()]), should_cancel=lambda: True)
+    assert runtime.run("t", "go", DirectoryShell(tmp_path)).stop_reason is StopReason.CANCELLED
     assert runtime.control.interrupted
 
 
@@ -262,10 +262,10 @@ def test_the_wall_clock_budget_ends_the_calls_without_interrupting_the_episode(t
 
 def test_abort_kills_the_command_in_flight(tmp_path: Path) -> None:
     marker = f"{os.getpid()}.{time.monotonic_ns() % 10**6 + 1}"
-    runtime = EpisodeRuntime(make_doc(), Spy([bash(f"echo > started; sleep 40 ; echo {marker}"),
+    runtime = LocalExecution(make_doc(), Spy([bash(f"echo > started; sleep 40 ; echo {marker}"),
                                               submit()]))
     when_written(tmp_path / "started", runtime.abort)
-    result = runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+    result = runtime.run("t", "go", DirectoryShell(tmp_path))
     assert result.stop_reason is StopReason.CANCELLED
     assert len(result.steps) == 1 and result.steps[0].observation.is_error
     assert not running(marker)
@@ -273,9 +273,9 @@ def test_abort_kills_the_command_in_flight(tmp_path: Path) -> None:
 
 def test_abort_before_run_returns_cancelled_at_once(tmp_path: Path) -> None:
     provider = Spy([submit()])
-    runtime = EpisodeRuntime(make_doc(), provider)
+    runtime = LocalExecution(make_doc(), provider)
     runtime.abort()
-    assert runtime.run("t", "go", LocalDirEnvironment(tmp_path)).stop_reason is StopReason.CANCELLED
+    assert runtime.run("t", "go", DirectoryShell(tmp_path)).stop_reason is StopReason.CANCELLED
     assert provider.requests == []
 
 
@@ -286,8 +286,8 @@ def test_close_is_idempotent_leaves_the_provider_alone_and_ends_every_wait(tmp_p
         def close(self) -> None:
             closed.append(True)
 
-    runtime = EpisodeRuntime(make_doc(), Closing([submit()]))
-    runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+    runtime = LocalExecution(make_doc(), Closing([submit()]))
+    runtime.run("t", "go", DirectoryShell(tmp_path))
     runtime.close()
     runtime.close()
     assert closed == []  # the provider is its owner's to close
@@ -295,17 +295,17 @@ def test_close_is_idempotent_leaves_the_provider_alone_and_ends_every_wait(tmp_p
 
 
 def test_a_runtime_runs_one_episode(tmp_path: Path) -> None:
-    runtime = EpisodeRuntime(make_doc(), Spy([submit(), submit()]))
-    runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+    runtime = LocalExecution(make_doc(), Spy([submit(), submit()]))
+    runtime.run("t", "go", DirectoryShell(tmp_path))
     with pytest.raises(RuntimeError, match="single episode"):
-        runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+        runtime.run("t", "go", DirectoryShell(tmp_path))
 
 
 def test_steps_are_recorded_as_they_happen(tmp_path: Path) -> None:
     seen: list[int] = []
-    runtime = EpisodeRuntime(make_doc(), Spy([bash("true"), bash("true"), submit()]),
+    runtime = LocalExecution(make_doc(), Spy([bash("true"), bash("true"), submit()]),
                              on_progress=lambda log: seen.append(len(log.steps())))
-    runtime.run("t", "go", LocalDirEnvironment(tmp_path))
+    runtime.run("t", "go", DirectoryShell(tmp_path))
     assert 1 in seen and 2 in seen and max(seen) == 3
 
 
@@ -368,9 +368,9 @@ def test_the_context_window_elides_old_tool_outputs(tmp_path: Path) -> None:
 
 def test_the_offline_policy_solves_a_file_task(tmp_path: Path) -> None:
     provider = build_provider({"kind": "scripted", "model": "offline"})
-    runtime = EpisodeRuntime(make_doc(), provider)
+    runtime = LocalExecution(make_doc(), provider)
     result = runtime.run("t", "Create the file `out/a.txt` whose whole content is the line `hi`",
-                         LocalDirEnvironment(tmp_path))
+                         DirectoryShell(tmp_path))
     assert result.stop_reason is StopReason.SUBMITTED
     assert (tmp_path / "out" / "a.txt").read_text() == "hi\n"
 
@@ -392,7 +392,7 @@ class _RaisingEnvironment:
 
 def _observation_paths(n: int) -> dict[str, tuple[list[dict[str, Any]], Any, Any]]:
     """Every way an observation comes to be, each with a text of `n` characters in it:
-    (script, document, environment or None for a LocalDirEnvironment)."""
+    (script, document, environment or None for a DirectoryShell)."""
     text = "x" * n
 
     def call(tool: str, **arguments: str) -> dict[str, Any]:
@@ -417,8 +417,8 @@ def _observation_paths(n: int) -> dict[str, tuple[list[dict[str, Any]], Any, Any
 def test_every_observation_is_capped_whatever_produced_it(tmp_path: Path, path: str, n: int) -> None:
     script, doc, environment = _observation_paths(n)[path]
     provider = Spy(script)
-    runtime = EpisodeRuntime(doc or make_doc(), provider)
-    environment = environment or LocalDirEnvironment(tmp_path, command_timeout_sec=30)
+    runtime = LocalExecution(doc or make_doc(), provider)
+    environment = environment or DirectoryShell(tmp_path, command_timeout_sec=30)
     result = runtime.run("task", "do it", environment)
     assert result.steps, path
     for step in result.steps:

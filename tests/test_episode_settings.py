@@ -15,8 +15,8 @@ from harbor_doubles import HARNESS
 from pydantic import ValidationError
 
 import wmo_trio
-from wmo_trio.episode.environment import CommandResult
-from wmo_trio.episode.runtime import EpisodeRuntime
+from wmo_trio.episode._environment import CommandResult
+from wmo_trio.episode._execution import LocalExecution
 from wmo_trio.harbor import WmoTrioHarborAgent
 from wmo_trio.harness import parse_harness
 from wmo_trio.providers import ProviderRequest, build_provider
@@ -84,18 +84,18 @@ async def test_the_agent_and_the_research_api_say_the_same_of_the_same_value(
 @pytest.mark.parametrize("value", BAD_WINDOWS)
 def test_a_runtime_built_directly_refuses_a_bad_context_window(value: Any) -> None:
     with pytest.raises(ValueError, match=r"^context_window must be null or an integer >= 1024"):
-        EpisodeRuntime(parse_harness(DOC), build_provider(OFFLINE), {"context_window": value})
+        LocalExecution(parse_harness(DOC), build_provider(OFFLINE), {"context_window": value})
 
 
 def test_a_runtime_built_directly_names_the_budget_as_the_agent_does() -> None:
     with pytest.raises(ValueError, match=r"^episode_timeout_sec must be a finite positive number"):
-        EpisodeRuntime(parse_harness(DOC), build_provider(OFFLINE), {"episode_timeout_sec": 0})
+        LocalExecution(parse_harness(DOC), build_provider(OFFLINE), {"episode_timeout_sec": 0})
 
 
 @pytest.mark.parametrize("value", [0, -1, math.nan, True, "30"])
 def test_a_local_process_environment_refuses_a_bad_command_timeout(tmp_path: Path, value: Any) -> None:
     with pytest.raises(ValueError, match=r"^command_timeout_sec must be a finite positive number"):
-        wmo_trio.LocalProcessEnvironment(tmp_path, command_timeout_sec=value)
+        wmo_trio.DirectoryEnvironment(tmp_path, command_timeout_sec=value)
 
 
 @pytest.mark.parametrize("value", [0, 241, 1.5, True])

@@ -49,7 +49,7 @@ from harbor_doubles import (
 
 import wmo_trio.trace
 from wmo_trio.engine import LoopServingHost
-from wmo_trio.episode.tools import MAX_OBSERVATION_CHARS
+from wmo_trio.episode._tools import MAX_OBSERVATION_CHARS
 from wmo_trio.harbor._agent import HarborEpisode
 from wmo_trio.models import StopReason
 from wmo_trio.trace import CANCELLED_BY_HARBOR_TIMEOUT, TRACE_FILENAME, FinishedTrace, PartialTrace, Trace

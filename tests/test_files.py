@@ -1,5 +1,5 @@
 """A file wmo_trio did not write is read as a regular file, within a bound, and through a
-link only when the caller says so (`wmo_trio.files.read_bounded`)."""
+link only when the caller says so (`wmo_trio._files.read_bounded`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from wmo_trio.files import read_bounded
+from wmo_trio._files import read_bounded
 
 
 def test_a_file_within_the_bound_is_read_whole(tmp_path: Path) -> None:

@@ -23,22 +23,31 @@ import math
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import datetime, timedelta
-from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
-from harbor.models.trajectories import Trajectory
 from harbor_jobs import JOB_TIMEOUT_S, run_job_here
+from support.harbor_runs import (
+    AGENT,
+    EXAMPLE_TASKS,
+    HARNESS,
+    LOCAL_ENVIRONMENT,
+    OFFLINE,
+    REPO,
+    HarborJob,
+    TrialRecord,
+    harbor_env,
+    harbor_run,
+    make_task,
+    trial_records,
+)
 
 from wmo_trio.harbor import AGENT_NAME, WmoTrioHarborAgent
 from wmo_trio.harness import load_harness
@@ -52,162 +61,23 @@ from wmo_trio.trace import (
     parse_trace,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-HARNESS = REPO / "examples" / "harness.json"
-EXAMPLE_TASKS = REPO / "examples" / "tasks"
-AGENT = "wmo_trio.harbor:WmoTrioHarborAgent"
-LOCAL_ENVIRONMENT = "wmo_trio.harbor:LocalEnvironment"
-OFFLINE = {"kind": "scripted", "model": "offline"}
-# harbor's flag for "wmo_trio serves this model, do not look it up in litellm" (README).
-SKIP_MODEL_LOOKUP = "--skip-model-parsing-and-provider-mapping"
-
-
 # -- running harbor ---------------------------------------------------------------------
 
 
-def harbor_env(**extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if key != "WMO_TRIO_HOST"}
-    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", **extra)
-    return env
 
 
-def harbor_executable() -> str:
-    found = shutil.which("harbor", path=str(Path(sys.executable).parent)) or shutil.which("harbor")
-    assert found, "the harbor command line is not installed next to this python"
-    return found
 
 
-@dataclass
-class TrialRecord:
-    """What harbor and the agent left in one trial directory."""
-
-    path: Path
-
-    @cached_property
-    def result(self) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads((self.path / "result.json").read_text())
-        return data
-
-    @property
-    def task(self) -> str:
-        return str(self.result["task_name"])
-
-    @property
-    def reward(self) -> float | None:
-        verifier = self.result.get("verifier_result")
-        return None if verifier is None else verifier["rewards"]["reward"]
-
-    @property
-    def exception_type(self) -> str | None:
-        info = self.result.get("exception_info")
-        return None if info is None else str(info["exception_type"])
-
-    @property
-    def agent_result(self) -> dict[str, Any]:
-        agent_result: dict[str, Any] = self.result["agent_result"]
-        return agent_result
-
-    @cached_property
-    def trace(self) -> Trace:
-        return parse_trace((self.path / "agent" / "wmo-run.json").read_bytes())
-
-    def trajectory(self) -> Trajectory:
-        return Trajectory.model_validate_json((self.path / "agent" / "trajectory.json").read_bytes())
-
-    def phase_seconds(self, phase: str) -> tuple[float, float]:
-        timing = self.result[phase]
-        return _timestamp(timing["started_at"]), _timestamp(timing["finished_at"])
-
-    def describe(self) -> str:
-        info = self.result.get("exception_info") or {}
-        return (f"{self.path.name}: reward={self.reward} exception={self.exception_type} "
-                f"{str(info.get('exception_message', ''))[:300]}")
 
 
-def _timestamp(text: str) -> float:
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
-_WITH_DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                        "os.execv(sys.argv[1], sys.argv[1:])")
 
 
-class HarborJob:
-    """One harbor job run in a subprocess of its own session (so a hung job is killed with
-    every process it started). `start()` returns at once; `trials()` waits for the end."""
-
-    def __init__(self, argv: list[str], job_dir: Path, env: Mapping[str, str]) -> None:
-        self.argv = argv
-        self.job_dir = job_dir
-        self.env = dict(env)
-        self._process: subprocess.Popen[str] | None = None
-        self._trials: list[TrialRecord] | None = None
-
-    def start(self) -> HarborJob:
-        # As from a terminal, SIGINT is not ignored: a shell that starts a command in the
-        # background (`make test &`, some CI runners) hands it down ignored, and harbor would
-        # then never see a Ctrl-C.
-        argv = [sys.executable, "-c", _WITH_DEFAULT_SIGINT, *self.argv]
-        self._process = subprocess.Popen(
-            argv, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
-        )
-        return self
-
-    def trials(self) -> list[TrialRecord]:
-        if self._trials is not None:
-            return self._trials
-        if self._process is None:
-            self.start()
-        assert self._process is not None
-        try:
-            output, _ = self._process.communicate(timeout=JOB_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(self._process.pid, signal.SIGKILL)
-            output, _ = self._process.communicate()
-            pytest.fail(f"harbor job {self.job_dir} did not finish in {JOB_TIMEOUT_S} s:\n"
-                        f"{output[-4000:]}")
-        assert self._process.returncode == 0, (
-            f"harbor exited with {self._process.returncode}:\n{output[-4000:]}"
-        )
-        self._trials = trial_records(self.job_dir, output)
-        return self._trials
 
 
-def trial_records(job_dir: Path, output: str = "") -> list[TrialRecord]:
-    trials = [TrialRecord(p.parent) for p in sorted(job_dir.glob("*/result.json"))]
-    assert trials, f"harbor wrote no trial results under {job_dir}:\n{output[-4000:]}"
-    return trials
 
 
-def harbor_run(
-    jobs_dir: Path,
-    tasks: Path,
-    *,
-    provider_config: Mapping[str, Any] = OFFLINE,
-    agent: str = AGENT,
-    agent_kwargs: Mapping[str, Any] | None = None,
-    attempts: int = 1,
-    concurrent: int = 4,
-    env: Mapping[str, str] | None = None,
-    job_name: str = "job",
-    litellm_lookup: bool = False,
-) -> HarborJob:
-    """`harbor run` of this agent on `tasks` (a task, or a directory of tasks), as the README
-    writes it: with `--skip-model-parsing-and-provider-mapping`, unless `litellm_lookup`
-    (harbor's preflight then imports litellm to look the model up: seconds of CPU a run)."""
-    model = f"{provider_config['kind']}/{provider_config['model']}"
-    kwargs = {"harness": str(HARNESS), "provider_config": dict(provider_config),
-              **(agent_kwargs or {})}
-    argv = [harbor_executable(), "run", "-p", str(tasks), "-a", agent, "-m", model,
-            "-e", LOCAL_ENVIRONMENT, "-o", str(jobs_dir), "--job-name", job_name,
-            "-k", str(attempts), "-n", str(concurrent), "-y", "-q"]
-    if not litellm_lookup:
-        argv.append(SKIP_MODEL_LOOKUP)
-    for key, value in kwargs.items():
-        argv += ["--ak", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
-    return HarborJob(argv, jobs_dir / job_name, harbor_env(**(env or {})))
 
 
 def harbor_job_here(
@@ -239,21 +109,6 @@ def harbor_job_here(
 # -- tasks and scripts ------------------------------------------------------------------
 
 
-def make_task(root: Path, name: str, *, base: str = "hello-file", agent_timeout_sec: float | None = None,
-              instruction: str | None = None, test_sh: str | None = None) -> Path:
-    """A copy of an example task under `root`, with the given changes."""
-    task = root / name
-    shutil.copytree(EXAMPLE_TASKS / base, task)
-    if agent_timeout_sec is not None:
-        toml = (task / "task.toml").read_text()
-        changed, count = re.subn(r"(\[agent\]\ntimeout_sec = )[0-9.]+", rf"\g<1>{agent_timeout_sec}", toml)
-        assert count == 1, "the example task.toml no longer has an [agent] timeout_sec line"
-        (task / "task.toml").write_text(changed)
-    if instruction is not None:
-        (task / "instruction.md").write_text(instruction)
-    if test_sh is not None:
-        (task / "tests" / "test.sh").write_text(textwrap.dedent(test_sh).lstrip())
-    return task
 
 
 def call(name: str, **arguments: str) -> dict[str, Any]:
@@ -696,10 +551,10 @@ DEFECTS_PLUGIN = '''
 trial, chosen by the trial's provider kind, because a healthy episode turns every failure
 into a stop reason or an observation and never raises."""
 
-from wmo_trio.episode.runtime import EpisodeRuntime
+from wmo_trio.episode._execution import LocalExecution
 from wmo_trio.harbor import WmoTrioHarborAgent, _agent
 from wmo_trio.providers import register_provider
-from wmo_trio.providers.scripted import ScriptedProvider
+from wmo_trio.providers._scripted import ScriptedProvider
 
 MARKER = "echo defect"
 
@@ -712,7 +567,7 @@ class RuntimeBuildDefect(Exception):
     pass
 
 
-class DefectiveRuntime(EpisodeRuntime):
+class DefectiveRuntime(LocalExecution):
     """Its progress hook raises once the step running MARKER has been recorded."""
 
     def __init__(self, *args, on_progress=None, **kwargs):
@@ -730,22 +585,22 @@ class CloseFailingProvider(ScriptedProvider):
         raise RuntimeError("injected failure to close the provider")
 
 
-def build_runtime_with_defects(doc, provider, *args, **kwargs):
+def build_execution_with_defects(doc, provider, *args, **kwargs):
     # The provider arrives wrapped (retries); its configuration names the kind.
     if provider.config.kind == "builddefect":
         raise RuntimeBuildDefect("injected failure to build the runtime")
     if provider.config.kind == "episodedefect":
         return DefectiveRuntime(doc, provider, *args, control=kwargs["control"],
                                 on_progress=kwargs["on_progress"])
-    return healthy_build_runtime(doc, provider, *args, **kwargs)
+    return healthy_build_execution(doc, provider, *args, **kwargs)
 
 
 # Scripted providers by other names: the kind says which defect a trial gets.
-register_provider("episodedefect", "wmo_trio.providers.scripted:ScriptedProvider")
-register_provider("builddefect", "wmo_trio.providers.scripted:ScriptedProvider")
+register_provider("episodedefect", "wmo_trio.providers._scripted:ScriptedProvider")
+register_provider("builddefect", "wmo_trio.providers._scripted:ScriptedProvider")
 register_provider("closefail", f"{__name__}:CloseFailingProvider")
-healthy_build_runtime = _agent.build_runtime
-_agent.build_runtime = build_runtime_with_defects
+healthy_build_execution = _agent.build_execution
+_agent.build_execution = build_execution_with_defects
 
 Agent = WmoTrioHarborAgent
 '''

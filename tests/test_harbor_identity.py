@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 from console_scripts import run_in_one_process
-from test_harbor_agent import (
+from harbor_jobs import JOB_TIMEOUT_S
+from support.harbor_runs import (
     AGENT,
     HARNESS,
-    JOB_TIMEOUT_S,
     LOCAL_ENVIRONMENT,
     REPO,
     SKIP_MODEL_LOOKUP,

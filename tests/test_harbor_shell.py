@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from wmo_trio.episode.environment import INLINE_WRITE_LIMIT, CommandResult, HarborShell
+from wmo_trio.episode._environment import INLINE_WRITE_LIMIT, CommandResult, HarborShell
 
 
 @dataclass

@@ -84,7 +84,7 @@ from import_watch import on_threads
 
 import wmo_trio.trace
 from wmo_trio.engine import LoopServingHost
-from wmo_trio.episode.deadlines import DEADLINES
+from wmo_trio.episode._deadlines import DEADLINES
 from wmo_trio.harbor._agent import HarborEpisode
 from wmo_trio.trace import CANCELLED_BY_HARBOR_TIMEOUT, TRACE_FILENAME, FinishedTrace, PartialTrace
 

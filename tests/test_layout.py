@@ -130,18 +130,18 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_import_graph_finds_the_modules_and_their_imports() -> None:
     graph = import_graph()
     assert "wmo_trio.engine._engine" in graph["wmo_trio.engine"]
-    assert "wmo_trio.control" in graph["wmo_trio.episode.runtime"]
+    assert "wmo_trio.control" in graph["wmo_trio.episode._execution"]
     assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
 
 
 def test_the_import_graph_counts_packages_run_on_the_way_and_imports_by_name() -> None:
     graph = import_graph()
-    # research's pool imports wmo_trio.episode.environment, which runs wmo_trio.episode first
+    # research's pool imports wmo_trio.episode._environment, which runs wmo_trio.episode first
     assert "wmo_trio.episode" in graph["wmo_trio.research._pool"]
     # a submodule's own package is already running: no edge back to it
-    assert "wmo_trio.episode" not in graph["wmo_trio.episode.runtime"]
+    assert "wmo_trio.episode" not in graph["wmo_trio.episode._execution"]
     # provider classes are imported by name, when a provider is built
-    assert "wmo_trio.providers.scripted" in graph["wmo_trio.providers"]
+    assert "wmo_trio.providers._scripted" in graph["wmo_trio.providers"]
     # the package's lazy names import their modules for whoever asks for them, not for all
     assert {"wmo_trio.research", "wmo_trio.harness", "wmo_trio.models"}.isdisjoint(
         graph["wmo_trio"])
@@ -206,8 +206,8 @@ def test_the_floor_check_refuses_newer_syntax_and_other_packages() -> None:
 HEAVY = ("anthropic", "openai", "e2b", "numpy", "scipy", "matplotlib", "litellm", "trio_asyncio",
          "ray")
 # wmo_trio's own modules that bring them, or that only some trials use.
-HEAVY_OWN = ("wmo_trio.compare", "wmo_trio.backends.e2b", "wmo_trio.backends._sandbox",
-             "wmo_trio.providers.anthropic", "wmo_trio.providers.openai", "wmo_trio.research",
+HEAVY_OWN = ("wmo_trio.compare", "wmo_trio.backends._e2b", "wmo_trio.backends._sandbox",
+             "wmo_trio.providers._anthropic", "wmo_trio.providers._openai", "wmo_trio.research",
              "wmo_trio.cluster")
 
 _LOAD_PROBE = """
@@ -241,3 +241,42 @@ def test_loading_the_agent_the_environment_and_the_cli_imports_nothing_heavy() -
         "agent alone: the sandbox": [],
         "agent, environment and command line: heavy": [],
     }
+
+
+# A package's face is its `__init__` (its `__all__`); the modules behind it are private
+# (`_name`), so a reader finds a part's public names in one place (issue 39). What is
+# public besides the packages, and why:
+PUBLIC_MODULES = {
+    "wmo_trio.models", "wmo_trio.settings", "wmo_trio.trace",  # the data users read and write
+    "wmo_trio.episode.portable",  # a program the backends ship by its file name
+}
+
+
+def public_modules() -> set[str]:
+    """The modules of wmo_trio that are neither a package nor named `_private`."""
+    return {_module_name(path) for path in PACKAGE.rglob("*.py")
+            if path.name != "__init__.py" and not path.name.startswith("_")
+            and "examples" not in path.relative_to(PACKAGE).parts}
+
+
+def test_every_module_behind_a_packages_face_is_private() -> None:
+    assert public_modules() - PUBLIC_MODULES == set()
+    assert PUBLIC_MODULES <= public_modules()  # a module made private leaves this list
+
+
+def test_every_package_with_private_modules_lists_its_face() -> None:
+    # wmo_trio.cli's face is the `wmo-trio` command, not names to import
+    faceless = [path.parent.name for path in PACKAGE.rglob("__init__.py")
+                if "examples" not in path.parts and path.parent.name != "cli"
+                and any(path.parent.glob("_*.py"))
+                and "__all__" not in path.read_text(encoding="utf-8")]
+    assert faceless == []
+
+
+def test_the_old_name_of_the_directory_environment_still_works_and_says_its_new_one() -> None:
+    import wmo_trio
+
+    with pytest.warns(DeprecationWarning, match="now DirectoryEnvironment"):
+        old = wmo_trio.LocalProcessEnvironment  # type: ignore[attr-defined]
+    assert old is wmo_trio.DirectoryEnvironment
+    assert "LocalProcessEnvironment" not in wmo_trio.__all__

@@ -36,12 +36,12 @@ from provider_wires import (
     user,
 )
 
-from wmo_trio.episode.environment import LocalDirEnvironment
-from wmo_trio.episode.runtime import EpisodeRuntime
+from wmo_trio.episode._environment import DirectoryShell
+from wmo_trio.episode._execution import LocalExecution
 from wmo_trio.harness import parse_harness
 from wmo_trio.models import RunResult, TokenUsage
 from wmo_trio.providers import build_provider
-from wmo_trio.providers.base import (
+from wmo_trio.providers._base import (
     CallControl,
     FinishReason,
     Message,
@@ -53,7 +53,7 @@ from wmo_trio.providers.base import (
     ToolCall,
     ToolSpec,
 )
-from wmo_trio.providers.openai import OpenAIProvider
+from wmo_trio.providers._openai import OpenAIProvider
 from wmo_trio.trace import FinishedTrace
 
 KEY_ENV = "WMO_TEST_OPENAI_KEY"
@@ -585,7 +585,7 @@ def test_the_key_is_not_sent_across_a_redirect_to_another_host(
         caplog: pytest.LogCaptureFixture) -> None:
     elsewhere = keyless_server.base_url.replace("127.0.0.1", "localhost") + "/models"
     server.redirects["/v1/models"] = elsewhere
-    with caplog.at_level(logging.WARNING, logger="wmo_trio.providers.openai"):
+    with caplog.at_level(logging.WARNING, logger="wmo_trio.providers._openai"):
         build_provider(settings(server, model="not-listed-anywhere")).close()
     assert keyless_server.requests == []  # not followed: neither the key nor the model went there
     assert [(r.method, r.path) for r in server.requests] == [("GET", "/v1/models")]
@@ -645,8 +645,8 @@ INSTRUCTION = "Write 'hello' into greeting.txt, then submit."
 
 def run_episode(provider: Provider, workdir: Path) -> RunResult:
     workdir.mkdir()
-    with EpisodeRuntime(DOC, provider, {"episode_timeout_sec": 60}) as runtime:
-        return runtime.run("greeting", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=10))
+    with LocalExecution(DOC, provider, {"episode_timeout_sec": 60}) as runtime:
+        return runtime.run("greeting", INSTRUCTION, DirectoryShell(workdir, command_timeout_sec=10))
 
 
 def test_an_episode_recovers_from_broken_arguments_and_runs_every_call_of_a_reply(
@@ -835,7 +835,7 @@ GREETING = {"path": "/app/greeting.txt", "content": "Hello from wmo_trio\n"}  # 
 
 @pytest.mark.harbor
 def test_a_harbor_cli_trial_with_openai_model_runs_against_the_server(tmp_path: Path) -> None:
-    from test_harbor_agent import harbor_run
+    from support.harbor_runs import harbor_run
 
     with ChatCompletionsServer() as server:
         server.enqueue(
@@ -910,7 +910,7 @@ def harbor_refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Refus
     """`harbor run` of an openai model without its key, and without its server: each
     refusal (and where its jobs would be), from harbor's own command line as its console
     script runs it, the two one after another in one process (tests/console_scripts.py)."""
-    from test_harbor_agent import harbor_env, harbor_run
+    from support.harbor_runs import harbor_env, harbor_run
 
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))  # a port nobody listens on once this is closed

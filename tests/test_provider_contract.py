@@ -31,7 +31,7 @@ from provider_wires import (
 
 from wmo_trio.models import TokenUsage
 from wmo_trio.providers import build_provider
-from wmo_trio.providers.base import (
+from wmo_trio.providers._base import (
     CallControl,
     FinishReason,
     Provider,
@@ -40,7 +40,7 @@ from wmo_trio.providers.base import (
     ProviderError,
     ProviderInterrupted,
 )
-from wmo_trio.providers.http import HTTPProvider, HTTPReply
+from wmo_trio.providers._http import HTTPProvider, HTTPReply
 
 AnyHTTPProvider = HTTPProvider[Any]
 
@@ -184,7 +184,7 @@ def test_a_broken_connection_is_a_retryable_error(wire: Wire, provider: AnyHTTPP
 
 def test_a_reply_that_is_a_web_page_is_a_failure_naming_what_came_and_base_url(
         wire: Wire, provider: AnyHTTPProvider) -> None:
-    # One rule for every kind (wmo_trio.providers.http.reply_json): the same server would
+    # One rule for every kind (wmo_trio.providers._http.reply_json): the same server would
     # send the same page, and neither SDK retries a 200 whatever its body.
     with pytest.raises(ProviderError) as caught:
         answer(wire, provider, wire.raw(b"<html>Welcome to nginx</html>", content_type="text/html"))

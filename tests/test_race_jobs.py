@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 import trio
-from test_readme import blocks, make_clone, run_as_written
+from support.race import candidate
+from support.readme import blocks, make_clone, run_as_written
 from typer.testing import CliRunner
 
 from wmo_trio.cli import app
@@ -41,35 +42,8 @@ TASKS = 10
 [EXAMPLE] = [b for b in blocks(ROOT / "docs" / "race.md")
              if b.lang == "sh" and "wmo-trio race" in b.body]
 
-PROGRAM = """import hashlib
-ANSWER = {answer!r}
-{preamble}
-RATE = {rate}
 
 
-def run(kit):
-    share = int(hashlib.sha256(kit.instruction.encode()).hexdigest()[:8], 16) / 2**32
-    {pause}
-    if share < RATE:
-        kit.execute("write_file", {{"path": ANSWER, "content": "ok\\n"}})
-    kit.execute("submit", {{"answer": "done"}})
-"""
-
-
-def candidate(directory: Path, name: str, rate: float, *, broken: bool = False,
-              pause: float = 0.0, answer: str = "/app/answer.txt") -> Path:
-    """A document whose program passes a task when the task's hash falls under `rate`;
-    `broken`: its program raises as it loads, before `run` is called."""
-    code = PROGRAM.format(rate=rate, answer=answer, preamble='raise RuntimeError("broken at load")'
-                          if broken else "",
-                          pause=f'kit.execute("bash", {{"command": "sleep {pause}"}})'
-                          if pause else "pass")
-    doc = {"name": name, "surfaces": [
-        {"id": "prompt:core", "kind": "prompt", "content": f"Candidate {name}."},
-        {"id": "code:runtime", "kind": "code", "content": code}]}
-    path = directory / f"{name}.json"
-    path.write_text(json.dumps(doc))
-    return path
 
 
 def make_tasks(root: Path, count: int, *, broken_build: bool = False) -> Path:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import trio
-from test_race_jobs import candidate
+from support.race import candidate
 
-from wmo_trio import LocalProcessEnvironment, load_harness
+from wmo_trio import DirectoryEnvironment, load_harness
 from wmo_trio.models import RunResult
 from wmo_trio.race import Attempt, RaceError, RaceLedger, RaceTask, race, race_rounds, task_order
 from wmo_trio.research import TrioEnvironment
@@ -54,16 +54,16 @@ def test_a_race_needs_two_candidates() -> None:
 
 
 def answered(environment: TrioEnvironment, result: RunResult) -> float:
-    assert isinstance(environment, LocalProcessEnvironment)
+    assert isinstance(environment, DirectoryEnvironment)
     answer = environment.workdir / "answer.txt"
     return float(answer.is_file() and answer.read_text() == "ok\n")
 
 
 def research_tasks(root: Path, count: int) -> list[RaceTask]:
-    def fresh(name: str) -> LocalProcessEnvironment:
+    def fresh(name: str) -> DirectoryEnvironment:
         workdir = root / name / str(len(list((root / name).glob("*"))))
         workdir.mkdir(parents=True)
-        return LocalProcessEnvironment(workdir)
+        return DirectoryEnvironment(workdir)
 
     for i in range(count):
         (root / f"task-{i}").mkdir(parents=True)

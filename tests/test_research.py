@@ -15,8 +15,8 @@ import trio
 from processes import running
 
 import wmo_trio
-from wmo_trio import EpisodeSpec, LocalProcessEnvironment
-from wmo_trio.episode.environment import CommandResult
+from wmo_trio import DirectoryEnvironment, EpisodeSpec
+from wmo_trio.episode._environment import CommandResult
 from wmo_trio.harness import HarnessError, parse_harness
 from wmo_trio.models import Action, ActionKind, Observation, Step, StopReason
 from wmo_trio.trace import CUT, FinishedTrace, parse_trace, trace_text, write_trace
@@ -35,7 +35,7 @@ def bash_then_submit(command: str) -> dict[str, Any]:
 
 async def test_a_pool_runs_an_episode_and_writes_its_trace(tmp_path: Path) -> None:
     async with wmo_trio.open_episode_pool(limit=4) as pool:
-        result = await pool.run(DOC, OFFLINE, HELLO, LocalProcessEnvironment(tmp_path),
+        result = await pool.run(DOC, OFFLINE, HELLO, DirectoryEnvironment(tmp_path),
                                 task_id="hello", trace_path=tmp_path / "trace.json")
     assert result.stop_reason is StopReason.SUBMITTED and result.task_id == "hello"
     assert (tmp_path / "out/hi.txt").read_text() == "hi\n"
@@ -76,12 +76,12 @@ def test_a_trace_too_deep_to_serialise_whole_is_written_reduced_and_says_so(
 
 
 async def test_fan_out_delivers_every_result_and_errors_as_outcomes(tmp_path: Path) -> None:
-    specs = [EpisodeSpec(DOC, OFFLINE, HELLO, LocalProcessEnvironment(tmp_path / str(i)),
+    specs = [EpisodeSpec(DOC, OFFLINE, HELLO, DirectoryEnvironment(tmp_path / str(i)),
                          task_id=str(i)) for i in range(6)]
     for spec in specs:
         Path(spec.environment.workdir).mkdir()  # type: ignore[attr-defined]
     specs.append(EpisodeSpec({"name": "bad", "surfaces": []}, OFFLINE, HELLO,
-                             LocalProcessEnvironment(tmp_path), task_id="bad"))
+                             DirectoryEnvironment(tmp_path), task_id="bad"))
     seen: dict[str, Any] = {}
     async with wmo_trio.open_episode_pool(limit=3) as pool:
         async with pool.fan_out(specs) as results:
@@ -93,7 +93,7 @@ async def test_fan_out_delivers_every_result_and_errors_as_outcomes(tmp_path: Pa
         seen["bad"].unwrap()
 
 
-class _Started(LocalProcessEnvironment):
+class _Started(DirectoryEnvironment):
     """Releases `started` as each of its commands begins."""
 
     def __init__(self, workdir: Path, started: trio.Semaphore) -> None:
@@ -175,7 +175,7 @@ async def test_the_pool_limit_bounds_concurrency(tmp_path: Path) -> None:
 
 
 async def test_local_process_environment_kills_a_timed_out_command_group(tmp_path: Path) -> None:
-    environment = LocalProcessEnvironment(tmp_path, command_timeout_sec=0.5)
+    environment = DirectoryEnvironment(tmp_path, command_timeout_sec=0.5)
     with pytest.raises(TimeoutError):
         await environment.exec("(sleep 32.51; touch late) & sleep 32.52")
     # Killed at once; the kernel may take a moment to take them off a loaded machine.
@@ -265,7 +265,7 @@ async def test_a_pool_names_a_document_by_the_harness_rule(
     (tmp_path / "work").mkdir()
     monkeypatch.chdir(tmp_path)
     async with wmo_trio.open_episode_pool(limit=1) as pool:
-        result = await pool.run(text, OFFLINE, HELLO, LocalProcessEnvironment(tmp_path / "work"))
+        result = await pool.run(text, OFFLINE, HELLO, DirectoryEnvironment(tmp_path / "work"))
         assert result.stop_reason is StopReason.SUBMITTED
         with pytest.raises(HarnessError, match="needs at least one prompt surface"):
-            await pool.run(Path(text), OFFLINE, HELLO, LocalProcessEnvironment(tmp_path / "work"))
+            await pool.run(Path(text), OFFLINE, HELLO, DirectoryEnvironment(tmp_path / "work"))

@@ -40,7 +40,7 @@ server, PROVIDER = serve_one_episode(sys.argv[1])
 async def main():
     with tempfile.TemporaryDirectory() as workdir:
         async with wmo_trio.open_episode_pool(limit=2) as pool:
-            result = await pool.run(DOC, PROVIDER, "Say hi.", wmo_trio.LocalProcessEnvironment(workdir))
+            result = await pool.run(DOC, PROVIDER, "Say hi.", wmo_trio.DirectoryEnvironment(workdir))
     return {"stop": result.stop_reason.value, "trio": threading.current_thread().name,
             **watch.report()}
 

@@ -12,10 +12,10 @@ import pytest
 
 import wmo_trio
 import wmo_trio.providers
-from wmo_trio import EpisodeSpec, LocalProcessEnvironment
+from wmo_trio import DirectoryEnvironment, EpisodeSpec
 from wmo_trio.models import StopReason
 from wmo_trio.providers import CallControl, ProviderConfig, ProviderRequest, ProviderResponse, build_provider
-from wmo_trio.providers.scripted import ScriptedProvider
+from wmo_trio.providers._scripted import ScriptedProvider
 
 DOC = {"name": "r", "surfaces": [{"id": "prompt:core", "kind": "prompt", "content": "go"}]}
 HELLO = "Create the file `out/hi.txt` whose whole content is the line `hi`"
@@ -60,7 +60,7 @@ def _specs(tmp_path: Path, provider: object, count: int) -> list[EpisodeSpec]:
     for index in range(count):
         (tmp_path / str(index)).mkdir(parents=True)
         specs.append(EpisodeSpec(DOC, provider, HELLO,  # type: ignore[arg-type]
-                                 LocalProcessEnvironment(tmp_path / str(index)), task_id=str(index)))
+                                 DirectoryEnvironment(tmp_path / str(index)), task_id=str(index)))
     return specs
 
 
@@ -111,6 +111,6 @@ async def test_a_provider_that_cannot_prepare_fails_its_episodes_before_they_run
     monkeypatch.setattr(CountedProvider, "prepare", refuse)
     async with wmo_trio.open_episode_pool(limit=2) as pool:
         with pytest.raises(ImportError, match="no SDK here"):
-            await pool.run(DOC, COUNTED, HELLO, LocalProcessEnvironment(tmp_path))
+            await pool.run(DOC, COUNTED, HELLO, DirectoryEnvironment(tmp_path))
     events = [event for event, _ in counted.events]
     assert events == ["built", "closed"], events  # never called; the half-made one closed

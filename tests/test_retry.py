@@ -11,7 +11,7 @@ from doubles import RecordingControl, when
 
 from wmo_trio.models import TokenUsage
 from wmo_trio.providers import build_provider
-from wmo_trio.providers.base import (
+from wmo_trio.providers._base import (
     CallControl,
     FinishReason,
     ProviderConfig,
@@ -21,7 +21,7 @@ from wmo_trio.providers.base import (
     ProviderRequest,
     ProviderResponse,
 )
-from wmo_trio.providers.retry import RetryingProvider, RetryPolicy
+from wmo_trio.providers._retry import RetryingProvider, RetryPolicy
 
 REQUEST = ProviderRequest(system="s", messages=[], tools=[], max_output_tokens=10)
 FAST = RetryPolicy(max_attempts=5, base_delay_s=0.001, max_delay_s=0.002, retry_after_cap_s=0.002)

@@ -21,9 +21,9 @@ import pytest
 from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig, TrialConfig
 from harbor.trial.trial import Trial
 from harbor_jobs import run_oracle_job
-from test_local_environment import (
+from support.sandbox import (
+    SANDBOX_MARKS,
     TASKS,
-    pytestmark,
     reward,
     sleepers,
     unique_seconds,
@@ -32,7 +32,7 @@ from test_local_environment import (
 
 from wmo_trio.harbor import LocalEnvironment
 
-__all__ = ["pytestmark"]
+pytestmark = SANDBOX_MARKS
 
 GET = 'import urllib.request as u; print(u.urlopen("http://127.0.0.1:{port}/", timeout=5).read().decode())'
 SERVE = "python3 -m http.server {port} --bind 127.0.0.1 --directory /srv/www"

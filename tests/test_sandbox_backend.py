@@ -15,100 +15,61 @@ import os
 import resource
 import socket
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 from doubles import Spy
-from test_code_runtime import AGENT, INSTRUCTION, SOLVE, code_doc
+from support import sandbox_runner
+from support.programs import AGENT, INSTRUCTION, SOLVE, code_doc
+from support.sandbox_runner import (
+    PROBLEM,
+    Runners,
+    Scripted,
+    answer_of,
+    traced,
+)
 
 import wmo_trio
 from wmo_trio.backends import (
-    SandboxRuntime,
+    SandboxExecution,
     SandboxSettings,
-    build_runtime,
+    build_execution,
     check_backend,
     resolve_backend,
     sandbox_problem,
 )
 from wmo_trio.backends._frames import MAX_FRAME_BYTES
-from wmo_trio.backends._sandbox_runner import python_runtime
-from wmo_trio.episode import LocalDirEnvironment
+from wmo_trio.backends._sandbox_runner import python_install
+from wmo_trio.episode import DirectoryShell
 from wmo_trio.models import RunResult, StopReason
-from wmo_trio.research import LocalProcessEnvironment
+from wmo_trio.research import DirectoryEnvironment
 
-PROBLEM = sandbox_problem()
 pytestmark = [
     pytest.mark.skipif(PROBLEM is not None, reason=f"no sandbox backend here: {PROBLEM}"),
     pytest.mark.slow,  # real sandboxes
 ]
 # No pool: each episode's runner is its own, so a test sees everything it started.
+runners = sandbox_runner.runners  # the fixture, by its name
 COLD = SandboxSettings(pool_size=0)
 
 
-class Runners:
-    """Every runner the runtimes of a test start, to check they are gone afterwards."""
-
-    def __init__(self) -> None:
-        self.started: list[Any] = []
-
-    def gone(self) -> None:
-        for runner in self.started:
-            assert runner.process.returncode is not None, "a runner was not reaped"
-            for directory in runner.cgroup.directories if runner.cgroup else ():
-                assert not directory.exists(), f"cgroup {directory} left behind"
 
 
-@pytest.fixture
-def runners(monkeypatch: pytest.MonkeyPatch) -> Iterator[Runners]:
-    """The runners the test's episodes ran on (from the pool or started for them)."""
-    seen = Runners()
-    original = SandboxRuntime._start
-
-    def start(runtime: SandboxRuntime) -> Any:
-        runner = original(runtime)
-        seen.started.append(runner)
-        return runner
-
-    monkeypatch.setattr(SandboxRuntime, "_start", start)
-    yield seen
-    seen.gone()
 
 
-class Scripted(Spy):
-    """A `Spy` the research API can take as a caller's own provider."""
-
-    def prepare(self) -> None:
-        pass
 
 
 def sandboxed(source: str, workdir: Path, script: list[dict[str, Any]] | None = None, *,
-              settings: SandboxSettings = COLD, **kwargs: Any) -> tuple[RunResult, SandboxRuntime]:
+              settings: SandboxSettings = COLD, **kwargs: Any) -> tuple[RunResult, SandboxExecution]:
     provider = Spy(script or [{"text": "unused"}])
-    with SandboxRuntime(code_doc(source), provider, settings=settings, **kwargs) as runtime:
-        return runtime.run("task", INSTRUCTION, LocalDirEnvironment(workdir, command_timeout_sec=30)), runtime
+    with SandboxExecution(code_doc(source), provider, settings=settings, **kwargs) as runtime:
+        return runtime.run("task", INSTRUCTION, DirectoryShell(workdir, command_timeout_sec=30)), runtime
 
 
-def traced(source: str, workdir: Path, script: list[dict[str, Any]] | None = None,
-           **kwargs: Any) -> tuple[RunResult, dict[str, Any]]:
-    """The episode through the research API on `sandbox`, and the trace it wrote."""
-    trace = workdir / "trace.json"
-
-    async def main() -> RunResult:
-        async with wmo_trio.open_episode_pool(limit=2) as pool:
-            return await pool.run(code_doc(source), Scripted(script or [{"text": "unused"}]), INSTRUCTION,
-                                  LocalProcessEnvironment(workdir), trace_path=trace,
-                                  backend="sandbox", **kwargs)
-
-    result = trio.run(main)
-    return result, json.loads(trace.read_text())
 
 
-def answer_of(result: RunResult) -> Any:
-    assert result.stop_reason is StopReason.SUBMITTED, result.steps
-    return json.loads(result.answer)
 
 
 def last_error(result: RunResult) -> str:
@@ -135,12 +96,12 @@ def test_the_built_in_loop_runs_in_the_sandbox_too(tmp_path: Path, runners: Runn
 
     script = [{"text": "", "tool_calls": [{"name": "bash", "arguments": {"command": "echo hi"}}]},
               {"text": "", "tool_calls": [{"name": "submit", "arguments": {"answer": "ok"}}]}]
-    runtime = build_runtime(make_doc(), Spy(script), backend="sandbox", backend_settings=COLD)
+    runtime = build_execution(make_doc(), Spy(script), backend="sandbox", backend_settings=COLD)
     try:
-        result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path, command_timeout_sec=30))
+        result = runtime.run("task", INSTRUCTION, DirectoryShell(tmp_path, command_timeout_sec=30))
     finally:
         runtime.close()
-    assert isinstance(runtime, SandboxRuntime)
+    assert isinstance(runtime, SandboxExecution)
     assert (result.stop_reason, result.answer) == (StopReason.SUBMITTED, "ok")
     assert result.steps[0].observation.content == "hi\n"
 
@@ -159,7 +120,7 @@ def test_a_pooled_runner_serves_an_episode(tmp_path: Path) -> None:
 
 def test_a_program_cannot_write_host_files(tmp_path: Path, runners: Runners) -> None:
     planted = tmp_path / "planted.txt"
-    interpreter_dir = os.path.dirname(python_runtime().interpreter)
+    interpreter_dir = os.path.dirname(python_install().interpreter)
     result, trace = traced(f"""
         import json, os, sys
         def run(kit):
@@ -212,7 +173,7 @@ def test_a_program_cannot_read_the_hosts_environment_or_secrets(
     for path in ("/etc/shadow", "/etc/passwd"):
         assert seen[path] == "FileNotFoundError", (path, seen[path])
     for home in ("/root", "/home"):  # at most the way down to the Python runtime
-        leads = {target[len(home) + 1:].split("/")[0] for _, target in python_runtime().binds
+        leads = {target[len(home) + 1:].split("/")[0] for _, target in python_install().binds
                  if target.startswith(home + "/")}
         assert seen[home] == "FileNotFoundError" or set(seen[home]) <= leads, seen[home]
     assert seen["/proc/keys"] in ("", "PermissionError")  # masked
@@ -287,7 +248,7 @@ def test_a_program_sees_only_the_python_runtime_of_the_hosts_tree(tmp_path: Path
                                                          "files": files})})
     """, tmp_path)
     seen = answer_of(result)
-    runtime = python_runtime()
+    runtime = python_install()
     allowed = [target for _, target in runtime.binds]
     assert set(seen["top"]) <= {"proc", "dev", "tmp"} | {p.split("/")[1] for p in allowed}
     assert all(any(f == p or f.startswith(p + "/") for p in allowed) for f in seen["files"])
@@ -339,7 +300,7 @@ def test_a_memory_bomb_is_killed_at_the_memory_ceiling_and_the_episode_says_so(
 def test_abort_or_close_kills_a_program_that_ignores_it(tmp_path: Path, runners: Runners,
                                                         stop: str) -> None:
     provider = Spy([{"text": "ok"}])
-    runtime = SandboxRuntime(code_doc("""
+    runtime = SandboxExecution(code_doc("""
         import signal
         def run(kit):
             kit.complete("s", [{"role": "user", "content": "go"}])
@@ -351,7 +312,7 @@ def test_abort_or_close_kills_a_program_that_ignores_it(tmp_path: Path, runners:
     threading.Thread(target=lambda: (provider.calling.wait(60), getattr(runtime, stop)()),
                      daemon=True).start()
     try:
-        result = runtime.run("task", INSTRUCTION, LocalDirEnvironment(tmp_path))
+        result = runtime.run("task", INSTRUCTION, DirectoryShell(tmp_path))
     finally:
         runtime.close()
     assert result.stop_reason is StopReason.CANCELLED
@@ -378,7 +339,7 @@ def test_cancelling_the_caller_kills_the_sandbox_and_writes_a_partial_trace(
         async with wmo_trio.open_episode_pool(limit=1) as pool, trio.open_nursery() as nursery:
             nursery.start_soon(lambda: pool.run(
                 code_doc("def run(kit):\n    kit.complete('s', [])\n    while True:\n        pass\n"),
-                provider, INSTRUCTION, LocalProcessEnvironment(tmp_path),
+                provider, INSTRUCTION, DirectoryEnvironment(tmp_path),
                 trace_path=trace, backend="sandbox"))
             await trio.to_thread.run_sync(provider.calling.wait, 60)
             nursery.cancel_scope.cancel()
@@ -447,7 +408,7 @@ def test_no_backend_named_is_sandbox_for_a_program_and_local_for_the_built_in_lo
     assert resolve_backend(code_doc(AGENT), None) == "sandbox"
     assert resolve_backend(make_doc(), None) == "local"
     assert resolve_backend(code_doc(AGENT), "local") == "local"
-    assert isinstance(build_runtime(code_doc(AGENT), Spy([{"text": "unused"}])), SandboxRuntime)
+    assert isinstance(build_execution(code_doc(AGENT), Spy([{"text": "unused"}])), SandboxExecution)
 
 
 def test_the_research_api_runs_a_program_in_the_sandbox_when_no_backend_is_named(
@@ -458,7 +419,7 @@ def test_the_research_api_runs_a_program_in_the_sandbox_when_no_backend_is_named
                 "import os\ndef run(kit):\n"
                 "    kit.execute('submit', {'answer': repr(os.listdir('/'))})\n"),
                                   Scripted([{"text": "unused"}]), INSTRUCTION,
-                                  LocalProcessEnvironment(tmp_path))
+                                  DirectoryEnvironment(tmp_path))
 
     result = trio.run(main)
     assert result.stop_reason is StopReason.SUBMITTED
@@ -571,7 +532,7 @@ def run(kit):
 
 @pytest.mark.harbor
 def test_a_hostile_program_through_harbors_cli_is_contained_and_scored(tmp_path: Path) -> None:
-    from test_local_environment import reward, run_harbor, trial_results
+    from support.sandbox import reward, run_harbor, trial_results
 
     if os.geteuid() != 0:
         pytest.skip("harbor's trial runs in the docker-free environment, as root")

@@ -12,12 +12,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_cli import ROOT, wmo_trio
-from test_local_environment import (
+from support.cli import ROOT, wmo_trio
+from support.sandbox import (
     HARBOR_ENV,
+    SANDBOX_MARKS,
     WAIT_BOUND_SEC,
     make_environment,
-    pytestmark,
     reward,
     run_harbor,
     trial_results,
@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 from wmo_trio.cli import app
 from wmo_trio.sandbox._rootfs import host_layers, prune_host_layers
 
-__all__ = ["pytestmark"]
+pytestmark = SANDBOX_MARKS
 
 HELLO = ROOT / "examples" / "tasks" / "hello-file"
 

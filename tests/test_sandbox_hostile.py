@@ -20,14 +20,14 @@ from typing import Any
 
 import pytest
 from harbor_jobs import run_oracle_job
-from test_local_environment import (
+from support.sandbox import (
     HARBOR,
     HARBOR_ENV,
     REPO,
+    SANDBOX_MARKS,
     TASKS,
     WAIT_BOUND_SEC,
     make_environment,
-    pytestmark,
     reward,
     run,
     running,
@@ -40,7 +40,7 @@ from test_local_environment import (
 
 from wmo_trio.sandbox import ImageCache
 
-__all__ = ["pytestmark"]
+pytestmark = SANDBOX_MARKS
 
 CHROOT_ESCAPE = textwrap.dedent("""
     import os
@@ -146,7 +146,7 @@ FLOOD_SCRIPT = textwrap.dedent("""
     import asyncio, json, resource, sys, time, traceback
     sys.path.insert(0, sys.argv[1])
     from pathlib import Path
-    from test_local_environment import WAIT_BOUND_SEC, make_environment, running
+    from support.sandbox import WAIT_BOUND_SEC, make_environment, running
 
     async def flood(tmp, name, command, entrypoint, before):
         flood = make_environment(tmp, tmp / name / "environment", cache_dir=tmp / "cache")

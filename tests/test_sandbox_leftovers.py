@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 from harbor_jobs import run_job_here
-from test_local_environment import (
+from support.sandbox import (
+    SANDBOX_MARKS,
     TASKS,
     make_environment,
-    pytestmark,
     reward,
     run,
     run_harbor,
@@ -31,7 +31,7 @@ from test_local_environment import (
 from wmo_trio.sandbox import wait_for_removals
 from wmo_trio.sandbox._hostfs import QUARANTINE
 
-__all__ = ["pytestmark"]
+pytestmark = SANDBOX_MARKS
 
 # Makes a tree `levels` deep in the working directory, one relative step at a time (a
 # path that long is no path at all: PATH_MAX is 4096 bytes). One line: a RUN step too.

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from harbor.models.task.config import EnvironmentConfig
 from harbor_jobs import run_oracle_job
-from test_local_environment import (
+from support.sandbox import (
     TASKS,
     WAIT_BOUND_SEC,
     make_environment,

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 from processes import descendants
-from test_local_environment import make_environment, run, running
-from test_local_environment import pytestmark as trial_marks
-from test_sandbox_backend import PROBLEM as RUNNER_PROBLEM
-from test_sandbox_backend import answer_of, runners, traced
+from support import sandbox_runner
+from support.sandbox import SANDBOX_MARKS as trial_marks
+from support.sandbox import make_environment, run, running
+from support.sandbox_runner import PROBLEM as RUNNER_PROBLEM
+from support.sandbox_runner import answer_of, traced
 
 from wmo_trio.backends import RUNNER_PROFILE, SandboxSettings
 from wmo_trio.sandbox import default_cache_dir
@@ -40,6 +41,8 @@ needs_libseccomp = pytest.mark.skipif(profile_problem(TRIAL_PROFILE) is not None
 RUNNER_MARKS = [pytest.mark.skipif(RUNNER_PROBLEM is not None,
                                    reason=f"no sandbox backend here: {RUNNER_PROBLEM}"),
                 pytest.mark.slow]
+
+runners = sandbox_runner.runners  # the fixture, by its name
 
 
 def marked(marks: list[pytest.MarkDecorator]) -> Any:

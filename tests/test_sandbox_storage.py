@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 from harbor.models.task.config import EnvironmentConfig
 from harbor_jobs import run_oracle_job
-from test_local_environment import (
+from support.sandbox import (
     REPO,
+    SANDBOX_MARKS,
     TASKS,
     WAIT_BOUND_SEC,
     make_environment,
     mounts_mentioning,
-    pytestmark,
     reward,
     run,
     running,
@@ -32,7 +32,7 @@ from test_local_environment import (
 
 from wmo_trio.sandbox import _storage, wait_for_removals
 
-__all__ = ["pytestmark"]
+pytestmark = SANDBOX_MARKS
 
 MIB = 1 << 20
 # Fills /app until the filesystem refuses, then says how far it got and why it stopped.
@@ -128,7 +128,7 @@ OWNER = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
     from harbor.models.task.config import EnvironmentConfig
-    from test_local_environment import make_environment
+    from support.sandbox import make_environment
 
     async def main() -> None:
         environment = make_environment(Path(sys.argv[2]), config=EnvironmentConfig(storage_mb=16))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from harbor_jobs import run_oracle_job
-from test_local_environment import (
+from support.sandbox import (
     REPO,
     TASKS,
     make_environment,
@@ -26,7 +26,7 @@ from test_local_environment import (
     run_harbor,
     running,
 )
-from test_local_environment import pytestmark as sandbox_marks
+from support.sandbox import SANDBOX_MARKS as sandbox_marks
 
 from wmo_trio.sandbox import LocalEnvironment
 

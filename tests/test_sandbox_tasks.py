@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 from harbor_jobs import run_oracle_job
-from test_local_environment import REPO, pytestmark, reward
+from support.sandbox import REPO, SANDBOX_MARKS, reward
 
 TASKS = REPO / "tests" / "tasks"
 
-__all__ = ["pytestmark"]
+pytestmark = SANDBOX_MARKS
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 from harbor_jobs import run_oracle_job
-from test_local_environment import (
+from support.sandbox import (
     REPO,
+    SANDBOX_MARKS,
     TASKS,
     make_environment,
-    pytestmark,
     reward,
     run,
     running,
@@ -28,7 +28,7 @@ from test_local_environment import (
 
 from wmo_trio.sandbox._errors import TransferIncomplete
 
-__all__ = ["pytestmark"]
+pytestmark = SANDBOX_MARKS
 
 ESCAPE = REPO / "tests" / "hostile" / "escape.py"
 GREETING = "printf 'Hello from wmo_trio\\n' > /app/greeting.txt\n"

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from wmo_trio.episode._tools import tool_spec
 from wmo_trio.episode.portable import parse_tool_call
-from wmo_trio.episode.tools import tool_spec
 from wmo_trio.models import Action, ActionKind, Observation, RunResult, Step, StopReason, TokenUsage
 from wmo_trio.providers import (
     CallControl,
@@ -25,7 +25,7 @@ from wmo_trio.providers import (
     build_provider,
     known_kinds,
 )
-from wmo_trio.providers.scripted import ScriptedFailure
+from wmo_trio.providers._scripted import ScriptedFailure
 
 
 def request(assistant_turns: int = 0, instruction: str = "go") -> ProviderRequest:

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from processes import running
 
-from wmo_trio.episode import LocalDirEnvironment
-from wmo_trio.episode.tools import (
+from wmo_trio.episode import DirectoryShell
+from wmo_trio.episode._tools import (
     MAX_OBSERVATION_CHARS,
     bounded_text,
     command_observation,
@@ -80,8 +80,8 @@ def call(name: str, **arguments: Any) -> Action:
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> LocalDirEnvironment:
-    return LocalDirEnvironment(tmp_path, command_timeout_sec=5)
+def env(tmp_path: Path) -> DirectoryShell:
+    return DirectoryShell(tmp_path, command_timeout_sec=5)
 
 
 ODD_PATHS = ["with space.txt", "quote'and\"double.txt", "$(touch pwned).txt", "-leading-dash.txt",
@@ -89,7 +89,7 @@ ODD_PATHS = ["with space.txt", "quote'and\"double.txt", "$(touch pwned).txt", "-
 
 
 @pytest.mark.parametrize("path", ODD_PATHS)
-def test_write_then_read_round_trips_any_path(env: LocalDirEnvironment, tmp_path: Path,
+def test_write_then_read_round_trips_any_path(env: DirectoryShell, tmp_path: Path,
                                               path: str) -> None:
     content = "line one\n$(echo no) `echo no` 'q' \"dq\"\x00nul\n"
     written = env.execute(call("write_file", path=path, content=content))
@@ -100,42 +100,42 @@ def test_write_then_read_round_trips_any_path(env: LocalDirEnvironment, tmp_path
     assert not (tmp_path / "pwned").exists()
 
 
-def test_write_file_keeps_large_content_exact(env: LocalDirEnvironment, tmp_path: Path) -> None:
+def test_write_file_keeps_large_content_exact(env: DirectoryShell, tmp_path: Path) -> None:
     content = cycled("".join(map(chr, range(32, 127))), 5 * 1024 * 1024)
     env.execute(call("write_file", path="big.txt", content=content))
     assert (tmp_path / "big.txt").read_text() == content
 
 
-def test_reading_a_missing_file_is_an_error_observation(env: LocalDirEnvironment) -> None:
+def test_reading_a_missing_file_is_an_error_observation(env: DirectoryShell) -> None:
     observation = env.execute(call("read_file", path="nope"))
     assert observation.is_error and "[exit 1]" in observation.content
 
 
-def test_binary_output_is_decoded_with_replacement(env: LocalDirEnvironment) -> None:
+def test_binary_output_is_decoded_with_replacement(env: DirectoryShell) -> None:
     observation = env.execute(call("bash", command="printf 'ok\\377\\376end'"))
     assert observation.content == "ok\ufffd\ufffdend"
 
 
-def test_stdout_comes_before_stderr(env: LocalDirEnvironment) -> None:
+def test_stdout_comes_before_stderr(env: DirectoryShell) -> None:
     observation = env.execute(call("bash", command="echo err >&2; echo out"))
     assert observation.content == "out\nerr\n"
 
 
 def test_a_command_timeout_kills_its_children(tmp_path: Path) -> None:
-    env = LocalDirEnvironment(tmp_path, command_timeout_sec=1)
+    env = DirectoryShell(tmp_path, command_timeout_sec=1)
     observation = env.execute(call("bash", command="(sleep 7.771; touch late) & sleep 7.772"))
     assert observation.is_error
     assert observation.content.startswith("environment command failed: TimeoutError")
     assert not running("sleep 7.771") and not running("sleep 7.772")
 
 
-def test_unknown_and_non_environment_tools_are_not_available(env: LocalDirEnvironment) -> None:
+def test_unknown_and_non_environment_tools_are_not_available(env: DirectoryShell) -> None:
     assert env.execute(call("submit", answer="x")).content == "tool 'submit' not available"
     message = Action(kind=ActionKind.MESSAGE, content="hi")
     assert env.execute(message).content == "tool None not available"
 
 
-def test_empty_paths_are_invalid(env: LocalDirEnvironment) -> None:
+def test_empty_paths_are_invalid(env: DirectoryShell) -> None:
     assert env.execute(call("read_file", path="")).content == (
         "invalid read_file arguments: 'path' must be a non-empty string"
     )
@@ -143,6 +143,6 @@ def test_empty_paths_are_invalid(env: LocalDirEnvironment) -> None:
 
 def test_command_timeouts_are_bounded() -> None:
     with pytest.raises(ValueError, match=r"command_timeout_sec must be an integer in \[1, 240\]"):
-        LocalDirEnvironment(".", command_timeout_sec=241)
+        DirectoryShell(".", command_timeout_sec=241)
     with pytest.raises(ValueError, match="command_timeout_sec"):
-        LocalDirEnvironment(".", command_timeout_sec=True)
+        DirectoryShell(".", command_timeout_sec=True)

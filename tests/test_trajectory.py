@@ -11,8 +11,8 @@ import outcome
 from doubles import Spy, make_doc
 from harbor.models.trajectories import Trajectory
 
-from wmo_trio.episode.environment import LocalDirEnvironment
-from wmo_trio.episode.runtime import EpisodeRuntime
+from wmo_trio.episode._environment import DirectoryShell
+from wmo_trio.episode._execution import LocalExecution
 from wmo_trio.harbor._trajectory import TRAJECTORY_FILENAME, TrajectoryInfo, write_trajectory
 from wmo_trio.trace import TraceIdentity, trace_for
 
@@ -26,8 +26,8 @@ def call(name: str, **arguments: Any) -> dict[str, Any]:
 
 
 def written(script: list[dict[str, Any]], tmp_path: Path) -> Trajectory:
-    runtime = EpisodeRuntime(make_doc(max_turns=3), Spy(script))
-    result = outcome.capture(runtime.run, "task", "do it", LocalDirEnvironment(tmp_path))
+    runtime = LocalExecution(make_doc(max_turns=3), Spy(script))
+    result = outcome.capture(runtime.run, "task", "do it", DirectoryShell(tmp_path))
     trace = trace_for(TraceIdentity(task_id="task"), result, cancelled=None, log=runtime.log)
     write_trajectory(tmp_path, trace, INFO, runtime.log)
     return Trajectory.model_validate(json.loads((tmp_path / TRAJECTORY_FILENAME).read_text()))

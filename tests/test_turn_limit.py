@@ -10,10 +10,10 @@ import pytest
 from doubles import Spy, make_doc
 
 from wmo_trio.control import CallControl
-from wmo_trio.episode import LocalDirEnvironment
-from wmo_trio.episode.log import EpisodeLog
+from wmo_trio.episode import DirectoryShell
+from wmo_trio.episode._log import EpisodeLog
+from wmo_trio.episode._services import EpisodeEnded, EpisodeServices, episode_spec
 from wmo_trio.episode.portable import run_loop
-from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, episode_spec
 from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import StopReason
 from wmo_trio.providers import ProviderRequest
@@ -23,7 +23,7 @@ BASH = {"tool_calls": [{"name": "bash", "arguments": {"command": "true"}}]}
 
 def services(doc: HarnessDoc, script: list[dict[str, Any]], tmp_path: Path) -> EpisodeServices:
     return EpisodeServices(doc, Spy(script), EpisodeLog(), CallControl(),
-                           LocalDirEnvironment(tmp_path, command_timeout_sec=30),
+                           DirectoryShell(tmp_path, command_timeout_sec=30),
                            stopping=lambda: False, episode_timeout_sec=60, context_window=None)
 
 

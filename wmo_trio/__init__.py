@@ -4,7 +4,7 @@ The trio-native research API is available from here (imported on first use):
 
 - `open_episode_pool(limit=...)`, `EpisodePool`, `EpisodeSpec`: run episodes from trio
   (`workers=` / `ray_address=`: on Ray worker processes, `wmo_trio.cluster`);
-- `LocalProcessEnvironment`, `HarborEnvironment`, `TrioEnvironment`: where they run;
+- `DirectoryEnvironment`, `HarborEnvironment`, `TrioEnvironment`: where they run;
 - `run_harbor_job(config)`: a harbor `Job` from inside a trio program (its trials on Ray
   workers with `workers=` / `ray_address=`);
 - `HarnessDoc`, `load_harness`, `RunResult`, `StopReason`: the data.
@@ -22,7 +22,7 @@ _LAZY = {
     "open_episode_pool": "wmo_trio.research",
     "EpisodePool": "wmo_trio.research",
     "EpisodeSpec": "wmo_trio.research",
-    "LocalProcessEnvironment": "wmo_trio.research",
+    "DirectoryEnvironment": "wmo_trio.research",
     "HarborEnvironment": "wmo_trio.research",
     "TrioEnvironment": "wmo_trio.research",
     "run_harbor_job": "wmo_trio.research",
@@ -37,4 +37,5 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-__getattr__ = lazy_exports(__name__, _LAZY)
+# LocalProcessEnvironment: DirectoryEnvironment's old name, deprecated (not in __all__).
+__getattr__ = lazy_exports(__name__, {**_LAZY, "LocalProcessEnvironment": "wmo_trio.research"})

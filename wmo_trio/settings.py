@@ -19,10 +19,10 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, Va
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-from wmo_trio.budgets import DEFAULT_COMMAND_TIMEOUT_SEC as DEFAULT_COMMAND_TIMEOUT_SEC
-from wmo_trio.budgets import DEFAULT_EPISODE_TIMEOUT_SEC as DEFAULT_EPISODE_TIMEOUT_SEC
-from wmo_trio.budgets import MAX_COMMAND_TIMEOUT_SEC as MAX_COMMAND_TIMEOUT_SEC
-from wmo_trio.text import show
+from wmo_trio._budgets import DEFAULT_COMMAND_TIMEOUT_SEC as DEFAULT_COMMAND_TIMEOUT_SEC
+from wmo_trio._budgets import DEFAULT_EPISODE_TIMEOUT_SEC as DEFAULT_EPISODE_TIMEOUT_SEC
+from wmo_trio._budgets import MAX_COMMAND_TIMEOUT_SEC as MAX_COMMAND_TIMEOUT_SEC
+from wmo_trio._text import show
 
 MIN_CONTEXT_WINDOW = 1024
 

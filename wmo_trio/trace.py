@@ -35,11 +35,11 @@ import outcome
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
+from wmo_trio._text import valid_text
 from wmo_trio.models import JsonObject, RunResult, Step, StopReason, TokenUsage, count_tool_steps
-from wmo_trio.text import valid_text
 
 if TYPE_CHECKING:
-    from wmo_trio.episode.log import EpisodeLog
+    from wmo_trio.episode._log import EpisodeLog
 
 TRACE_FILENAME = "wmo-run.json"
 CANCELLED_BY_HARBOR_TIMEOUT = "cancelled-by-harbor-timeout"

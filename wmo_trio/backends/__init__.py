@@ -1,17 +1,17 @@
 """Where an episode's program runs, chosen per episode by name.
 
-- `local`: `wmo_trio.episode.EpisodeRuntime`; the program runs in this process (a
+- `local`: `wmo_trio.episode.LocalExecution`; the program runs in this process (a
   `code:runtime` program with this process's rights: trusted code only);
-- `e2b`: `wmo_trio.backends.e2b.E2BRuntime`; the program runs in an E2B sandbox, the host
+- `e2b`: `wmo_trio.backends._e2b.E2BExecution`; the program runs in an E2B sandbox, the host
   answering its model and tool calls;
-- `sandbox`: `SandboxRuntime` (`_sandbox`, its runner `_sandbox_runner`); the program
+- `sandbox`: `SandboxExecution` (`_sandbox`, its runner `_sandbox_runner`); the program
   runs in a bubblewrap sandbox of its own on this machine, the host answering as for
   `e2b`. Its settings (`SandboxSettings`), profile (`RUNNER_PROFILE`) and availability
   check (`sandbox_problem`) are exported here, imported on first use.
 
-Each is declared once, in `BACKENDS` (a `Backend`): its name, its runtime and its settings
+Each is declared once, in `BACKENDS` (a `Backend`): its name, its execution and its settings
 model (imported on first use, as a provider's class is: the e2b SDK only when an `e2b`
-runtime is built), whether aborting it is quick, whether it keeps a program from this host,
+execution is built), whether aborting it is quick, whether it keeps a program from this host,
 and what it needs from this machine. The harbor agent, the research API and `wmo-trio run`
 name a backend and ask here; none of them knows one from another.
 
@@ -19,9 +19,9 @@ No backend named (None): `sandbox` for a document with a `code:runtime` program 
 machine can run it, `local` otherwise (`resolve_backend`).
 
 The program (built-in loop or document code) and the rules it runs under are the same on
-all three: `wmo_trio.episode.portable` and `wmo_trio.episode.services`; `e2b` and `sandbox`
-share the host's half of the frames (`wmo_trio.backends._frames`). Every runtime has the
-`Runtime` surface (`wmo_trio.episode.runtime.Runtime`), so the caller does not care which
+all three: `wmo_trio.episode.portable` and `wmo_trio.episode._services`; `e2b` and `sandbox`
+share the host's half of the frames (`wmo_trio.backends._frames`). Every execution has the
+`Execution` surface (`wmo_trio.episode._execution.Execution`), so the caller does not care which
 it got.
 """
 
@@ -37,29 +37,29 @@ from pydantic import Field, model_validator
 
 from wmo_trio._lazy import lazy_exports
 from wmo_trio.control import CallControl
-from wmo_trio.episode.log import EpisodeLog
-from wmo_trio.episode.runtime import Runtime, RuntimeBase
+from wmo_trio.episode._execution import Execution, ExecutionBase
+from wmo_trio.episode._log import EpisodeLog
 from wmo_trio.harness import HarnessDoc
-from wmo_trio.providers.base import Provider
+from wmo_trio.providers._base import Provider
 from wmo_trio.settings import EpisodeSettings, Settings, TemplateName, refused
 
 if TYPE_CHECKING:
     from wmo_trio.backends._sandbox import (
         RUNNER_PROFILE,
-        SandboxRuntime,
+        SandboxExecution,
         SandboxSettings,
         sandbox_problem,
     )
 
-__all__ = ["BACKENDS", "RUNNER_PROFILE", "Backend", "BackendChoice", "Runtime", "SandboxRuntime",
-           "SandboxSettings", "backend_named", "build_runtime", "check_backend",
+__all__ = ["BACKENDS", "RUNNER_PROFILE", "Backend", "BackendChoice", "Execution", "SandboxExecution",
+           "SandboxSettings", "backend_named", "build_execution", "check_backend",
            "choice_may_block", "choose_backend", "resolve_backend", "sandbox_problem",
            "unisolated_code_warning"]
 
 # The sandbox backend's modules load only in a process that uses it, as e2b's do: most
 # trials never name it.
 __getattr__ = lazy_exports(__name__, dict.fromkeys(
-    ("RUNNER_PROFILE", "SandboxRuntime", "SandboxSettings", "sandbox_problem"),
+    ("RUNNER_PROFILE", "SandboxExecution", "SandboxSettings", "sandbox_problem"),
     "wmo_trio.backends._sandbox"))
 
 BackendName = Literal["local", "e2b", "sandbox"]
@@ -70,10 +70,10 @@ E2B_API_KEY_VARIABLE = "E2B_API_KEY"
 class Backend:
     """One place an episode's program can run, as the rest of wmo_trio knows it.
 
-    - `runtime`: its runtime class (`module:Class`, a `RuntimeBase` that takes the
-      backend's settings as `settings`), imported when a runtime is built;
+    - `execution`: its execution class (`module:Class`, an `ExecutionBase` that takes the
+      backend's settings as `settings`), imported when an execution is built;
     - `settings`: its settings model (`module:Class`), None when it has none;
-    - `abort_is_quick`: aborting its runtime only sets flags and sends signals, so the
+    - `abort_is_quick`: aborting its execution only sets flags and sends signals, so the
       engine stops its episode on the trio thread (E2B's kills a sandbox over the network:
       a thread of its own);
     - `isolated`: a document's `code:runtime` cannot reach this host;
@@ -84,7 +84,7 @@ class Backend:
     """
 
     name: BackendName
-    runtime: str
+    execution: str
     settings: str | None
     abort_is_quick: bool
     isolated: bool
@@ -111,9 +111,9 @@ class Backend:
         if problem is not None:
             raise ValueError(problem)
 
-    def runtime_class(self) -> type[RuntimeBase]:
-        runtime: type[RuntimeBase] = _imported(self.runtime)
-        return runtime
+    def execution_class(self) -> type[ExecutionBase]:
+        execution: type[ExecutionBase] = _imported(self.execution)
+        return execution
 
 
 def _imported(path: str) -> Any:
@@ -144,13 +144,13 @@ def _e2b_unavailable(settings: Any) -> str | None:
 
 
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
-    Backend("local", "wmo_trio.episode.runtime:EpisodeRuntime", None,
+    Backend("local", "wmo_trio.episode._execution:LocalExecution", None,
             abort_is_quick=True, isolated=False, check_may_block=False,
             unavailable=_local_unavailable),
-    Backend("e2b", "wmo_trio.backends.e2b:E2BRuntime", "wmo_trio.backends.e2b:E2BSettings",
+    Backend("e2b", "wmo_trio.backends._e2b:E2BExecution", "wmo_trio.backends._e2b:E2BSettings",
             abort_is_quick=False, isolated=True, check_may_block=False,
             unavailable=_e2b_unavailable),
-    Backend("sandbox", "wmo_trio.backends._sandbox:SandboxRuntime",
+    Backend("sandbox", "wmo_trio.backends._sandbox:SandboxExecution",
             "wmo_trio.backends._sandbox:SandboxSettings",
             abort_is_quick=True, isolated=True, check_may_block=True,
             unavailable=_sandbox_unavailable),
@@ -239,7 +239,7 @@ def unisolated_code_warning(doc: HarnessDoc, backend: Backend) -> str | None:
             "candidates")
 
 
-def build_runtime(
+def build_execution(
     doc: HarnessDoc,
     provider: Provider,
     episode_settings: EpisodeSettings | Mapping[str, Any] | None = None,
@@ -249,8 +249,8 @@ def build_runtime(
     control: CallControl | None = None,
     should_cancel: Callable[[], bool] | None = None,
     on_progress: Callable[[EpisodeLog], None] | None = None,
-) -> Runtime:
-    """The runtime for one episode of `doc` on `backend` (see the module's table; None
+) -> Execution:
+    """The execution of one episode of `doc` on `backend` (see the module's table; None
     chooses by the document), with the episode's settings (`EpisodeSettings`, or a mapping
     checked by its rules) and the backend's own (`backend_settings`, checked by its
     settings model: `SandboxSettings`, `E2BSettings`; an E2B episode is never replayed
@@ -261,6 +261,6 @@ def build_runtime(
     settings = chosen.settings_for(backend_settings)
     chosen.check(settings)
     own = {} if settings is None else {"settings": settings}
-    return chosen.runtime_class()(doc, provider, episode_settings=episode_settings,
+    return chosen.execution_class()(doc, provider, episode_settings=episode_settings,
                                   control=control, should_cancel=should_cancel,
                                   on_progress=on_progress, **own)

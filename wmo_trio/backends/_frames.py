@@ -2,7 +2,7 @@
 whose runner is a process speaking JSON frames: `e2b` and `sandbox`.
 
 A backend gives `serve_frames` a `RunnerStream` (its runner's lines in, frames out); each
-frame is decoded into a call on the episode's `ProgramChannel` (`wmo_trio.episode.channel`),
+frame is decoded into a call on the episode's `ProgramChannel` (`wmo_trio.episode._channel`),
 which decides what a program may ask for on every backend, the in-process one included,
 and the reply is encoded as a frame. What is decided here is the frames' own: a line is
 parsed within bounds, a frame is a JSON object, the hello comes first, a reply echoes its
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from wmo_trio.control import CallControl
-from wmo_trio.episode.channel import ProgramChannel, ProtocolViolation, typed_field
+from wmo_trio.episode._channel import ProgramChannel, ProtocolViolation, typed_field
+from wmo_trio.episode._services import EpisodeServices
 from wmo_trio.episode.portable import PROTOCOL
-from wmo_trio.episode.services import EpisodeServices
 from wmo_trio.models import StopReason
 
 __all__ = ["MAX_FRAME_BYTES", "WAKE", "Exited", "ProtocolViolation", "RunnerStream",

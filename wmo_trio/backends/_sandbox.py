@@ -2,7 +2,7 @@
 this machine; its model calls and tool calls are answered here.
 
 An optimizer mutates `code:runtime` programs, and a mutated program is untrusted code.
-`SandboxRuntime` (the surface of `EpisodeRuntime`: `run`, `abort`, `close`, `log`) runs the
+`SandboxExecution` (the surface of `LocalExecution`: `run`, `abort`, `close`, `log`) runs the
 episode's program, a document's `code:runtime` or the built-in loop, as a *runner*
 (`wmo_trio/episode/portable.py`, the program an in-process episode runs) that speaks the
 e2b backend's JSON frames over its stdin and stdout (`wmo_trio.backends._frames`). The
@@ -55,22 +55,22 @@ from wmo_trio.backends._frames import TransportFailure, serve_frames
 from wmo_trio.backends._sandbox_runner import (
     START_TIMEOUT_S,
     Once,
-    PythonRuntime,
+    PythonInstall,
     Runner,
-    python_runtime,
+    python_install,
     start_runner,
 )
-from wmo_trio.episode.channel import ProtocolViolation, refuse
-from wmo_trio.episode.environment import Environment
-from wmo_trio.episode.runtime import RuntimeBase
-from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, episode_spec
+from wmo_trio.episode._channel import ProtocolViolation, refuse
+from wmo_trio.episode._environment import Environment
+from wmo_trio.episode._execution import ExecutionBase
+from wmo_trio.episode._services import EpisodeEnded, EpisodeServices, episode_spec
 from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import RunResult, StopReason
-from wmo_trio.providers.base import Provider
+from wmo_trio.providers._base import Provider
 from wmo_trio.sandbox import LAUNCH_ATTEMPTS, TRIAL_PROFILE, Limits, Profile, profile_problem
 from wmo_trio.settings import Settings
 
-__all__ = ["RUNNER_PROFILE", "SandboxRuntime", "SandboxSettings", "python_runtime",
+__all__ = ["RUNNER_PROFILE", "SandboxExecution", "SandboxSettings", "python_install",
            "sandbox_problem"]
 
 log = logging.getLogger("wmo_trio.backends.sandbox")
@@ -118,7 +118,7 @@ def sandbox_problem() -> str | None:
     if problem is not None:
         return f"its system-call filter cannot be built: {problem}"
     try:
-        runtime = python_runtime()
+        runtime = python_install()
     except (OSError, subprocess.SubprocessError) as error:
         return f"the Python runtime for the sandbox cannot be found: {error}"
     try:
@@ -141,7 +141,7 @@ class _Pool:
     Starts run in one daemon thread that lives as long as the process: a runner dies with
     the thread that started it. `take` never waits for a start."""
 
-    def __init__(self, runtime: PythonRuntime, settings: SandboxSettings) -> None:
+    def __init__(self, runtime: PythonInstall, settings: SandboxSettings) -> None:
         self._runtime = runtime
         self._settings = settings
         self._ready: list[Runner] = []
@@ -214,14 +214,14 @@ def _pool(settings: SandboxSettings) -> _Pool | None:
     with _POOLS_LOCK:
         pool = _POOLS.get(settings)
         if pool is None:
-            pool = _POOLS[settings] = _POOLS_LIFETIME.enter_context(_Pool(python_runtime(), settings))
+            pool = _POOLS[settings] = _POOLS_LIFETIME.enter_context(_Pool(python_install(), settings))
         return pool
 
 
 # -- the runtime ----------------------------------------------------------------------------
 
 
-class SandboxRuntime(RuntimeBase):
+class SandboxExecution(ExecutionBase):
     """Runs one episode of `doc` with its program in a sandbox of its own; see the module
     docstring.
 
@@ -290,7 +290,7 @@ class SandboxRuntime(RuntimeBase):
                 if self.stopping():
                     raise TransportFailure("the episode stopped before its sandbox started")
             try:
-                return start_runner(python_runtime(), self.settings.profile, self._hold)
+                return start_runner(python_install(), self.settings.profile, self._hold)
             except OSError as error:
                 raise TransportFailure(f"starting the sandbox failed: {error}") from error
             finally:

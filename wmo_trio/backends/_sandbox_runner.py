@@ -40,7 +40,7 @@ from wmo_trio.sandbox import (
     lost_loopback_race,
 )
 
-__all__ = ["START_TIMEOUT_S", "Once", "PythonRuntime", "Runner", "python_runtime", "start_runner"]
+__all__ = ["START_TIMEOUT_S", "Once", "PythonInstall", "Runner", "python_install", "start_runner"]
 
 RUNNER_SOURCE = resources.files("wmo_trio.episode").joinpath("portable.py").read_bytes()
 _CHUNK = 1 << 16
@@ -77,7 +77,7 @@ class Once[T]:
 
 
 @dataclass(frozen=True)
-class PythonRuntime:
+class PythonInstall:
     """The interpreter that runs runners, and every path it needs, bound read-only at the
     same path in the sandbox: `binds` are (host path, sandbox path), `masked` directories
     within them that the sandbox sees empty."""
@@ -102,7 +102,7 @@ def _shared_libraries(files: list[str]) -> set[str]:
 
 
 @Once
-def python_runtime() -> PythonRuntime:
+def python_install() -> PythonInstall:
     """The runtime of the Python running wmo_trio (its base install, not a venv): the
     runner needs Python 3.8 and the standard library only."""
     interpreter = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
@@ -119,7 +119,7 @@ def python_runtime() -> PythonRuntime:
             binds.append((os.path.realpath(library), library))
     masked = tuple(f"{stdlib}/site-packages" for stdlib in stdlibs
                    if os.path.isdir(f"{stdlib}/site-packages"))
-    return PythonRuntime(interpreter, tuple(binds), masked)
+    return PythonInstall(interpreter, tuple(binds), masked)
 
 
 @Once
@@ -173,7 +173,7 @@ class Runner:
         self._lock = threading.Lock()
 
     @classmethod
-    def start(cls, runtime: PythonRuntime, profile: Profile) -> Runner:
+    def start(cls, runtime: PythonInstall, profile: Profile) -> Runner:
         """Start one runner in a sandbox of `profile`. The script is read from a
         descriptor, the episode from stdin."""
         script = _runner_script()
@@ -336,7 +336,7 @@ class Runner:
         self.close()
 
 
-def start_runner(runtime: PythonRuntime, profile: Profile,
+def start_runner(runtime: PythonInstall, profile: Profile,
                  started: Callable[[Runner], None] = lambda runner: None) -> Runner:
     """A started runner that said hello; `started` is told of it as soon as it exists (to
     be killed or woken while it starts). A start that lost bubblewrap's race for a

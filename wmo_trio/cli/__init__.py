@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 
-from wmo_trio.budgets import (
+from wmo_trio._budgets import (
     DEFAULT_COMMAND_TIMEOUT_SEC,
     DEFAULT_EPISODE_TIMEOUT_SEC,
     MAX_COMMAND_TIMEOUT_SEC,

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 import wmo_trio
-from wmo_trio.budgets import DEFAULT_COMMAND_TIMEOUT_SEC, DEFAULT_EPISODE_TIMEOUT_SEC
+from wmo_trio._budgets import DEFAULT_COMMAND_TIMEOUT_SEC, DEFAULT_EPISODE_TIMEOUT_SEC
 from wmo_trio.models import StopReason
 
 LOCAL_ENVIRONMENT = "wmo_trio.harbor:LocalEnvironment"
@@ -81,7 +81,7 @@ def _task_paths(paths: list[Path]) -> tuple[list[Path], list[Path]]:
 
 def agent_kwargs(options: RunOptions) -> dict[str, Any]:
     """The agent's keyword arguments for `options`, checked by the agent's own rules
-    (`wmo_trio.agent_arguments`: document, provider kind and key, timeouts, backend),
+    (`wmo_trio._agent_arguments`: document, provider kind and key, timeouts, backend),
     which need no harbor. Raises `BadInput`."""
     kind, slash, model = options.model.partition("/")
     if not slash or not kind or not model:
@@ -92,7 +92,7 @@ def agent_kwargs(options: RunOptions) -> dict[str, Any]:
         raise BadInput(f"--provider-config names the provider's {' and '.join(named)}, which "
                        f"-m gives (now {options.model}): pass -m <kind>/<model>, e.g. -m "
                        "anthropic/claude-sonnet-4-5, and only its settings in --provider-config")
-    from wmo_trio.agent_arguments import parse_arguments, provider_for
+    from wmo_trio._agent_arguments import parse_arguments, provider_for
 
     harness = options.harness or examples_dir() / "harness.json"
     kwargs: dict[str, Any] = {

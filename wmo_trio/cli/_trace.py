@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.rule import Rule
 from rich.text import Text
 
+from wmo_trio._files import read_bounded
 from wmo_trio.cli._run import BadInput
 from wmo_trio.cli._text import visible
-from wmo_trio.files import read_bounded
 from wmo_trio.models import ActionKind, Step
 from wmo_trio.settings import validation_problem
 from wmo_trio.trace import TRACE_FILENAME, PartialTrace, Trace, parse_trace

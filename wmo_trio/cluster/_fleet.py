@@ -32,6 +32,7 @@ from typing import Any
 
 import trio
 
+from wmo_trio._files import read_bounded
 from wmo_trio.cluster._ray_wait import ray_value
 from wmo_trio.cluster._session import (
     Cluster,
@@ -57,7 +58,6 @@ from wmo_trio.cluster._workers import (
     started,
     stop_workers,
 )
-from wmo_trio.files import read_bounded
 
 log = logging.getLogger("wmo_trio.cluster")
 

@@ -11,6 +11,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -197,21 +198,21 @@ def compare(
     return Report(settings=settings, candidates=candidates, comparisons=comparisons)
 
 
-def compare_jobs(
-    paths: Sequence[Path | str],
-    *,
-    baseline: str | None = None,
-    missing_as_zero: bool = False,
-    resamples: int = 10_000,
-    seed: int = 0,
-    confidence: float = 0.95,
-    pool_models: bool = False,
-) -> Report:
+class CompareOptions(TypedDict, total=False):
+    """`compare`'s keyword arguments, for what passes them on."""
+
+    baseline: str | None
+    missing_as_zero: bool
+    resamples: int
+    seed: int
+    confidence: float
+    pool_models: bool
+
+
+def compare_jobs(paths: Sequence[Path | str], **options: Unpack[CompareOptions]) -> Report:
     """`compare` over the finished trials of harbor job directories, or of directories of
-    them (`load_jobs`)."""
-    return compare(load_jobs(paths), baseline=baseline, missing_as_zero=missing_as_zero,
-                   resamples=resamples, seed=seed, confidence=confidence,
-                   pool_models=pool_models)
+    them (`load_jobs`), with `compare`'s keyword arguments."""
+    return compare(load_jobs(paths), **options)
 
 
 def _resolve(baseline: str | None, groups: dict[Key, _Group]) -> Key:

@@ -28,7 +28,7 @@ from pydantic import (
     ValidationError,
 )
 
-from wmo_trio.files import read_bounded
+from wmo_trio._files import read_bounded
 from wmo_trio.harness import DocumentForm, document_form
 from wmo_trio.settings import validation_problem
 
@@ -108,7 +108,7 @@ def record_from_run(
 
 
 def _read_bounded(path: Path, limit: int) -> bytes:
-    """`wmo_trio.files.read_bounded` (never through a link), its failure a `CompareError`."""
+    """`wmo_trio._files.read_bounded` (never through a link), its failure a `CompareError`."""
     try:
         return read_bounded(path, limit)
     except OSError as error:

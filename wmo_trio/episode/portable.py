@@ -2,13 +2,13 @@
 
 An episode is a *program* asking a *host* for model calls and tool calls. The program is
 either the built-in tool-calling loop (`run_loop`) or a document's `code:runtime` module
-(`run_program`, which hands it a `Kit`); the host (`wmo_trio.episode.services`) answers
+(`run_program`, which hands it a `Kit`); the host (`wmo_trio.episode._services`) answers
 every call, counts the budgets, records the steps and may end the episode at any call.
 The same program runs in both places an episode can run:
 
-- in-process (`wmo_trio.episode.runtime.EpisodeRuntime`), its channel the host's end
-  itself (`wmo_trio.episode.channel.ProgramChannel`);
-- in an E2B sandbox (`wmo_trio.backends.e2b`), which uploads this very file and starts it
+- in-process (`wmo_trio.episode._execution.LocalExecution`), its channel the host's end
+  itself (`wmo_trio.episode._channel.ProgramChannel`);
+- in an E2B sandbox (`wmo_trio.backends._e2b`), which uploads this very file and starts it
   as `python3 -I portable.py EPISODE_JSON`; the channel is then JSON frames on the
   process's stdin and stdout (`HostChannel`);
 - in a bubblewrap sandbox on this machine (`wmo_trio.backends._sandbox`), started as

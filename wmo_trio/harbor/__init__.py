@@ -8,7 +8,7 @@
 
 `LocalEnvironment` and `run_job` are imported on first use: a process that only loads the
 agent (harbor with another environment) does not import the sandbox. (`wmo-trio run`
-checks the agent's arguments without this package: `wmo_trio.agent_arguments`.)
+checks the agent's arguments without this package: `wmo_trio._agent_arguments`.)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from wmo_trio.control import CallControl
-from wmo_trio.episode.environment import CommandResult, HarborShell, ShellEnvironment
+from wmo_trio.episode._environment import CommandResult, HarborShell, ShellEnvironment
 from wmo_trio.settings import DEFAULT_COMMAND_TIMEOUT_SEC
 
 

@@ -3,7 +3,7 @@
 Harbor owns the task environment and the verifier; this agent runs the episode host-side.
 Every keyword argument is checked in the constructor, so a bad candidate or configuration
 fails before harbor starts a single container; the arguments and their checks are
-`wmo_trio.agent_arguments`'s, which `wmo-trio run` makes before it loads harbor. The
+`wmo_trio._agent_arguments`'s, which `wmo-trio run` makes before it loads harbor. The
 constructor does no I/O beyond reading a document file once per process (harbor builds it
 on its event loop): the provider's SDK is imported, and its client built, in a worker
 thread on the first model call.
@@ -25,22 +25,22 @@ from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
 
 from wmo_trio import __version__
-from wmo_trio.agent_arguments import AGENT_NAME as AGENT_NAME
-from wmo_trio.agent_arguments import (
+from wmo_trio._agent_arguments import AGENT_NAME as AGENT_NAME
+from wmo_trio._agent_arguments import (
     AgentArguments,
     check_model_name_matches,
     parse_arguments,
     portable_arguments,
     provider_for,
 )
-from wmo_trio.backends import build_runtime, unisolated_code_warning
+from wmo_trio.backends import build_execution, unisolated_code_warning
 from wmo_trio.control import CallControl
 from wmo_trio.engine import host_for_running_loop, settle_heap
-from wmo_trio.episode.environment import Environment
-from wmo_trio.episode.log import EpisodeLog
-from wmo_trio.episode.runtime import Runtime, RuntimeEpisode
-from wmo_trio.episode.services import system_prompt
-from wmo_trio.episode.tools import tool_spec
+from wmo_trio.episode._environment import Environment
+from wmo_trio.episode._execution import BackendEpisode, Execution
+from wmo_trio.episode._log import EpisodeLog
+from wmo_trio.episode._services import system_prompt
+from wmo_trio.episode._tools import tool_spec
 from wmo_trio.harbor._adapter import HarborEnvironmentAdapter
 from wmo_trio.harbor._identity import (
     HarborTrial,
@@ -217,12 +217,12 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
         return await host.run_episode(episode, workers=self._arguments.episode_workers)
 
 
-class HarborEpisode(RuntimeEpisode):
+class HarborEpisode(BackendEpisode):
     """One trial's episode, as the engine drives it (see `wmo_trio.engine.Episode`). It owns
     `provider`, which it closes in its cleanup.
 
     When harbor cancels the agent: the engine interrupts the episode's control (which
-    cancels the environment command in flight) and `stop()` aborts the runtime; the engine
+    cancels the environment command in flight) and `stop()` aborts the execution; the engine
     waits for the worker, then `close()` and `record()` run shielded, then the cancellation
     propagates. The partial trace says whether harbor's agent timeout or something else
     (an interrupted `harbor run`) cancelled it.
@@ -232,7 +232,7 @@ class HarborEpisode(RuntimeEpisode):
                  instruction: str, environment: BaseEnvironment, context: AgentContext, *,
                  logs_dir: Path, trial: HarborTrial, session_id: str | None,
                  timed_out: Callable[[], bool] | None) -> None:
-        # The runtime's own id for the episode (an E2B sandbox's metadata): the trial's.
+        # The execution's own id for the episode (an E2B sandbox's metadata): the trial's.
         super().__init__(trial.trial_id or trial.trial_name or "harbor-task", instruction)
         self._trial = trial
         self._started_at = datetime.now(UTC)
@@ -247,14 +247,14 @@ class HarborEpisode(RuntimeEpisode):
         self.stop_is_quick = arguments.backend.abort_is_quick
         self._cancel_reason: str | None = None
 
-    def start(self, control: CallControl) -> tuple[Runtime, Environment]:
+    def start(self, control: CallControl) -> tuple[Execution, Environment]:
         arguments = self._arguments
-        runtime = build_runtime(
+        execution = build_execution(
             arguments.harness, self._provider, arguments, backend=arguments.backend.name,
             backend_settings=arguments.backend_settings, control=control,
             on_progress=self._report_usage,
         )
-        return runtime, HarborEnvironmentAdapter(self._environment, control,
+        return execution, HarborEnvironmentAdapter(self._environment, control,
                                                  command_timeout_sec=arguments.command_timeout_sec)
 
     def _report_usage(self, log: EpisodeLog) -> None:

@@ -36,7 +36,7 @@ from harbor.models.job.config import JobConfig
 from harbor.models.trial.config import AgentConfig, TrialConfig
 from harbor.trial.regrade import local_task_name
 
-from wmo_trio.files import read_bounded
+from wmo_trio._files import read_bounded
 
 log = logging.getLogger("wmo_trio.harbor")
 

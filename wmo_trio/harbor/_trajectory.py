@@ -22,7 +22,7 @@ from harbor.models.trajectories import (
     Trajectory,
 )
 
-from wmo_trio.episode.log import EpisodeLog, Reply
+from wmo_trio.episode._log import EpisodeLog, Reply
 from wmo_trio.models import ActionKind
 from wmo_trio.models import Step as EpisodeStep
 from wmo_trio.trace import PartialTrace, Trace, json_text, write_atomically

@@ -10,11 +10,11 @@ from typing import Annotated, Any, Self
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
+from wmo_trio._text import show
 from wmo_trio.harness._limits import MAX_INTEGER, MAX_SURFACES, HarnessError
 from wmo_trio.harness._surface import Name, Surface, valid_keys
 from wmo_trio.harness._validated import Validated, validate
 from wmo_trio.harness._views import Params, Skill, Views, views_of
-from wmo_trio.text import show
 
 
 class HarnessDoc(Validated):

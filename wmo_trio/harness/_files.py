@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from wmo_trio.files import NotARegularFile, TooLarge, read_bounded
+from wmo_trio._files import NotARegularFile, TooLarge, read_bounded
 from wmo_trio.harness._document import HarnessDoc
 from wmo_trio.harness._json import parse_harness_json
 from wmo_trio.harness._limits import MAX_DOCUMENT_BYTES, HarnessError, show_path

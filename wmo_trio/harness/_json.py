@@ -7,6 +7,7 @@ import json
 import re
 from typing import Any
 
+from wmo_trio._text import show
 from wmo_trio.harness._document import HarnessDoc, parse_harness
 from wmo_trio.harness._limits import (
     MAX_DOCUMENT_BYTES,
@@ -15,7 +16,6 @@ from wmo_trio.harness._limits import (
     MAX_SURFACES,
     HarnessError,
 )
-from wmo_trio.text import show
 
 # A JSON string; an unterminated one runs to the end of the text. Possessive quantifiers
 # keep the scan linear on any input.

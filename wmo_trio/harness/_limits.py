@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from wmo_trio.text import show
+from wmo_trio._text import show
 
 # A real document is a few dozen surfaces and some kilobytes; these bounds are far above
 # that and keep every check of a hostile document fast and bounded.

@@ -11,7 +11,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import cast
 
-from wmo_trio.file_cache import parse_file_once
+from wmo_trio._file_cache import parse_file_once
 from wmo_trio.harness._document import HarnessDoc, parse_harness
 from wmo_trio.harness._files import Unreadable, load_harness
 from wmo_trio.harness._json import parse_harness_json
@@ -47,7 +47,7 @@ def document_form(value: object) -> DocumentForm | None:
     return None
 
 
-# The parse cache is functools.lru_cache, as wmo_trio.file_cache's is: its bookkeeping is
+# The parse cache is functools.lru_cache, as wmo_trio._file_cache's is: its bookkeeping is
 # thread-safe; it keeps no exception, so a refusal is said again to the next caller; two
 # threads that miss together may both parse, which costs time only (a document is immutable
 # and equal ones are interchangeable). A key is a document's JSON text, so what is kept is

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Self
 
 from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 
+from wmo_trio._text import has_lone_surrogate, show
 from wmo_trio.harness._limits import (
     MAX_CONTENT_CHARS,
     MAX_ID_CHARS,
@@ -18,7 +19,6 @@ from wmo_trio.harness._limits import (
     MAX_NAME_CHARS,
 )
 from wmo_trio.harness._validated import Validated
-from wmo_trio.text import has_lone_surrogate, show
 
 SLUG_PATTERN = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _PATH_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")

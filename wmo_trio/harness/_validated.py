@@ -9,9 +9,9 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from wmo_trio._text import has_lone_surrogate, show
 from wmo_trio.harness._limits import MAX_ID_CHARS, HarnessError
 from wmo_trio.settings import location_name, validation_problem
-from wmo_trio.text import has_lone_surrogate, show
 
 
 class Validated(BaseModel):

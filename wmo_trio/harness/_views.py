@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from wmo_trio._text import show
 from wmo_trio.harness._surface import Surface, SurfaceKind, blake2b16
-from wmo_trio.text import show
 
 ENVIRONMENT_TOOLS: tuple[str, ...] = ("bash", "read_file", "write_file")
 KNOWN_TOOLS: tuple[str, ...] = (*ENVIRONMENT_TOOLS, "submit", "read_skill")

@@ -5,7 +5,7 @@ configuration (a bad setting or a missing API key fails here, before any episode
 wraps the provider in wmo_trio's retry policy. Building one is cheap: an SDK is imported,
 and its client created, in a worker thread on the first call, never on harbor's loop or on
 the trio thread. The one I/O is the `openai` kind's check that its server answers, done by
-the first build of a process for a server (see `wmo_trio.providers.openai_check`).
+the first build of a process for a server (see `wmo_trio.providers._openai_check`).
 """
 
 from __future__ import annotations
@@ -16,41 +16,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from wmo_trio.providers.base import (
-    CallControl,
-    FinishReason,
-    Message,
-    OwnedProvider,
-    Provider,
-    ProviderConfig,
-    ProviderConfigError,
-    ProviderError,
-    ProviderInterrupted,
-    ProviderRequest,
-    ProviderResponse,
-    ProviderSettings,
-    ToolCall,
-    ToolSpec,
-)
-from wmo_trio.providers.recording import RecordingProvider
-from wmo_trio.providers.retry import RetryingProvider, RetryPolicy
+from wmo_trio.providers import _base
+from wmo_trio.providers._base import *  # noqa: F403 (the provider interface is this face)
+from wmo_trio.providers._base import OwnedProvider, ProviderConfig, ProviderConfigError, ProviderSettings
+from wmo_trio.providers._recording import RecordingProvider
+from wmo_trio.providers._retry import RetryingProvider, RetryPolicy
 from wmo_trio.settings import validation_problem
 
 __all__ = [
-    "CallControl",
-    "FinishReason",
-    "Message",
-    "OwnedProvider",
-    "Provider",
-    "ProviderConfig",
-    "ProviderConfigError",
-    "ProviderError",
-    "ProviderInterrupted",
-    "ProviderRequest",
-    "ProviderResponse",
-    "ProviderSettings",
-    "ToolCall",
-    "ToolSpec",
+    *_base.__all__,
     "build_provider",
     "known_kinds",
     "parse_provider_config",
@@ -60,9 +34,9 @@ __all__ = [
 # kind -> "module:Class"; classes are imported on first use so that an offline run never
 # pays for the SDKs it does not touch.
 _REGISTRY: dict[str, str] = {
-    "scripted": "wmo_trio.providers.scripted:ScriptedProvider",
-    "anthropic": "wmo_trio.providers.anthropic:AnthropicProvider",
-    "openai": "wmo_trio.providers.openai:OpenAIProvider",
+    "scripted": "wmo_trio.providers._scripted:ScriptedProvider",
+    "anthropic": "wmo_trio.providers._anthropic:AnthropicProvider",
+    "openai": "wmo_trio.providers._openai:OpenAIProvider",
 }
 
 
@@ -144,8 +118,8 @@ def portable_provider_config(config: Mapping[str, Any] | ProviderConfig) -> dict
     if isinstance(portable.get("script"), str):
         import json
 
-        from wmo_trio.files import read_bounded
-        from wmo_trio.providers.script import load_script
+        from wmo_trio._files import read_bounded
+        from wmo_trio.providers._script import load_script
 
         load_script(portable["script"])  # a bad script is refused here, as in one process
         portable["script"] = json.loads(read_bounded(portable["script"], _MAX_SCRIPT_BYTES))

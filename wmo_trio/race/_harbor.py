@@ -231,7 +231,7 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def read_race(job_dir: Path) -> RaceReport:
     """The race.json of a race's job directory (the race so far, or finished)."""
-    from wmo_trio.files import read_bounded
+    from wmo_trio._files import read_bounded
 
     return RaceReport.model_validate(json.loads(read_bounded(job_dir / RACE_FILENAME,
                                                              16 * 2**20)))

@@ -2,7 +2,7 @@
 
     async with wmo_trio.open_episode_pool(limit=32) as pool:
         result = await pool.run(doc, {"kind": "scripted", "model": "offline"},
-                                "Create the file `a.txt` ...", LocalProcessEnvironment(workdir))
+                                "Create the file `a.txt` ...", DirectoryEnvironment(workdir))
         async with pool.fan_out(specs) as results:
             async for spec, outcome in results:
                 ...
@@ -14,7 +14,7 @@ cleanup and trace run shielded before the cancellation propagates. With `workers
 own engine and pool, their specs sent as data and their traces written here.
 
 Environments here are trio-native (`TrioEnvironment`: async `exec` and `write_file`):
-`LocalProcessEnvironment` runs commands with `trio.run_process` in a directory of this
+`DirectoryEnvironment` runs commands with `trio.run_process` in a directory of this
 host, and `HarborEnvironment` wraps a harbor task environment for trio programs that run
 harbor's asyncio code under trio-asyncio.
 """
@@ -26,25 +26,37 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from wmo_trio.research._pool import (
+    DirectoryEnvironment,
     EpisodePool,
     EpisodeSpec,
     HarborEnvironment,
-    LocalProcessEnvironment,
     Pool,
     TrioEnvironment,
     open_local_pool,
 )
 
 __all__ = [
+    "DirectoryEnvironment",
     "EpisodePool",
     "EpisodeSpec",
     "HarborEnvironment",
-    "LocalProcessEnvironment",
     "Pool",
     "TrioEnvironment",
     "open_episode_pool",
     "run_harbor_job",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The documented name before `DirectoryEnvironment` (three `Local*Environment`
+    # classes had three interfaces); kept for code written against it.
+    if name == "LocalProcessEnvironment":
+        import warnings
+
+        warnings.warn("wmo_trio.LocalProcessEnvironment is now DirectoryEnvironment",
+                      DeprecationWarning, stacklevel=2)
+        return DirectoryEnvironment
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @asynccontextmanager

@@ -34,12 +34,12 @@ import outcome
 import trio
 from pydantic import BaseModel, ConfigDict
 
+from wmo_trio._files import read_bounded
 from wmo_trio.backends import check_backend
 from wmo_trio.cluster import ClusterError, ClusterOptions, WorkerLostError, open_cluster, ray_value
 from wmo_trio.cluster._workers import WorkerInfo as WorkerInfo
 from wmo_trio.cluster._workers import cancelled_call, start_workers, started, stop_workers, this_worker
 from wmo_trio.engine._bridge import wait_ignoring_cancellation
-from wmo_trio.files import read_bounded
 from wmo_trio.harness import HarnessDoc, harness_from
 from wmo_trio.models import RunResult
 from wmo_trio.providers import Provider, ProviderConfig, build_provider, portable_provider_config

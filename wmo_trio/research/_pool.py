@@ -15,10 +15,10 @@ from typing import Any, Protocol, runtime_checkable
 import outcome
 import trio
 
-from wmo_trio.backends import Backend, build_runtime, choice_may_block, choose_backend
+from wmo_trio.backends import Backend, build_execution, choice_may_block, choose_backend
 from wmo_trio.control import CallControl
 from wmo_trio.engine import call_asyncio, current_engine
-from wmo_trio.episode.environment import (
+from wmo_trio.episode._environment import (
     CommandResult,
     Environment,
     HarborShell,
@@ -26,8 +26,8 @@ from wmo_trio.episode.environment import (
     command_timed_out,
     kill_process_group,
 )
-from wmo_trio.episode.runtime import Runtime, RuntimeEpisode
-from wmo_trio.episode.tools import decode_output
+from wmo_trio.episode._execution import BackendEpisode, Execution
+from wmo_trio.episode._tools import decode_output
 from wmo_trio.harness import HarnessDoc, harness_from
 from wmo_trio.models import RunResult
 from wmo_trio.providers import Provider, ProviderConfig, build_provider
@@ -48,10 +48,10 @@ from wmo_trio.trace import (
 )
 
 __all__ = [
+    "DirectoryEnvironment",
     "EpisodePool",
     "EpisodeSpec",
     "HarborEnvironment",
-    "LocalProcessEnvironment",
     "Pool",
     "TrioEnvironment",
     "open_local_pool",
@@ -68,7 +68,7 @@ class TrioEnvironment(Protocol):
     async def write_file(self, path: str, data: bytes) -> None: ...
 
 
-class LocalProcessEnvironment:
+class DirectoryEnvironment:
     """Commands run by `bash -c` in `workdir` with `trio.run_process`; each in its own
     process group, killed (children included) on timeout or cancellation.
 
@@ -155,7 +155,7 @@ class EpisodeSpec:
     backend: str | None = None
 
 
-class _PoolEpisode(RuntimeEpisode):
+class _PoolEpisode(BackendEpisode):
     """An `Episode` (see `wmo_trio.engine.Episode`) for a trio-native environment."""
 
     def __init__(self, spec: EpisodeSpec, settings: EpisodeSettings, doc: HarnessDoc,
@@ -166,10 +166,10 @@ class _PoolEpisode(RuntimeEpisode):
         self.stop_is_quick = backend.abort_is_quick
         self.started_at = datetime.now(UTC)
 
-    def start(self, control: CallControl) -> tuple[Runtime, Environment]:
-        runtime = build_runtime(self.doc, self.provider, self.settings, backend=self.backend.name,
+    def start(self, control: CallControl) -> tuple[Execution, Environment]:
+        execution = build_execution(self.doc, self.provider, self.settings, backend=self.backend.name,
                                 control=control)
-        return runtime, _TrioEnvironmentAdapter(self.spec.environment, control)
+        return execution, _TrioEnvironmentAdapter(self.spec.environment, control)
 
     def record(self, result: outcome.Outcome[RunResult], cancelled: bool) -> None:
         if self.spec.trace_path is None:

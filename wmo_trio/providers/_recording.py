@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from wmo_trio.models import TokenUsage
-from wmo_trio.providers.base import (
+from wmo_trio.providers._base import (
     CallControl,
     ClosesOnExit,
     Provider,
@@ -36,7 +36,7 @@ from wmo_trio.providers.base import (
     ProviderRequest,
     ProviderResponse,
 )
-from wmo_trio.providers.script import ScriptedReply, ScriptedToolCall, first_user_message
+from wmo_trio.providers._script import ScriptedReply, ScriptedToolCall, first_user_message
 
 
 def call_key(request: ProviderRequest) -> str:

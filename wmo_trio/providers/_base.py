@@ -16,10 +16,15 @@ from typing import Any, Literal, Protocol, Self, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from wmo_trio._text import valid_json, valid_text
 from wmo_trio.control import CallControl as CallControl
 from wmo_trio.models import JsonObject, TokenUsage
 from wmo_trio.settings import NonEmptyText, NonNegativeSeconds, PositiveInt, Settings
-from wmo_trio.text import valid_json, valid_text
+
+# The interface `wmo_trio.providers` shows; the helpers below it are its providers' own.
+__all__ = ["CallControl", "FinishReason", "Message", "OwnedProvider", "Provider", "ProviderConfig",
+           "ProviderConfigError", "ProviderError", "ProviderInterrupted", "ProviderRequest",
+           "ProviderResponse", "ProviderSettings", "ToolCall", "ToolSpec"]
 
 
 class FinishReason(StrEnum):
@@ -64,7 +69,7 @@ def parse_tool_call(call_id: str, name: str, arguments: object) -> ToolCall:
     Blank or missing arguments are a call without any. Arguments that do not parse into a
     JSON object (invalid or too deeply nested JSON, a list, a number) give a call without
     arguments whose `parse_error` says why; the episode answers it with an observation
-    the model can recover from. Lone surrogates become U+FFFD (`wmo_trio.text`).
+    the model can recover from. Lone surrogates become U+FFFD (`wmo_trio._text`).
     """
     if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
         return ToolCall(id=call_id, name=name, arguments={})
@@ -185,7 +190,7 @@ def api_key_from_environment(kind: str, variable: str, *, instead: str = "") -> 
 
 
 class RetrySettings(Settings):
-    """The `retry` setting: wmo_trio's retry policy (`wmo_trio.providers.retry`)."""
+    """The `retry` setting: wmo_trio's retry policy (`wmo_trio.providers._retry`)."""
 
     max_attempts: PositiveInt = 6
     base_delay_s: NonNegativeSeconds = 1.0

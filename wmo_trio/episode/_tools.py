@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import functools
 
+from wmo_trio._text import valid_text
 from wmo_trio.harness import ENVIRONMENT_TOOLS
 from wmo_trio.models import Observation
-from wmo_trio.providers.base import ToolSpec
-from wmo_trio.text import valid_text
+from wmo_trio.providers._base import ToolSpec
 
 MAX_OBSERVATION_CHARS = 10_000
 

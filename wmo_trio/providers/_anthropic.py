@@ -23,7 +23,7 @@ building a provider does neither.
 Retries belong to wmo_trio's retry policy (`retry.py`), so the SDK's own are off. Errors
 become `ProviderError`s that say whether a retry may help and how long the server asked
 us to wait. A reply's body that cannot be read is judged as for every kind
-(`wmo_trio.providers.http.reply_json`); one that is JSON but not a message is a retryable
+(`wmo_trio.providers._http.reply_json`); one that is JSON but not a message is a retryable
 failure.
 """
 
@@ -36,24 +36,7 @@ from typing import TYPE_CHECKING, Any, Self
 from pydantic import Field, field_validator
 
 from wmo_trio.models import JsonObject, TokenUsage
-from wmo_trio.providers.base import (
-    FinishReason,
-    Message,
-    ProviderConfig,
-    ProviderError,
-    ProviderRequest,
-    ProviderResponse,
-    ToolCall,
-    api_key_from_environment,
-    parse_tool_call,
-)
-from wmo_trio.providers.http import (
-    HTTPProvider,
-    HTTPReply,
-    HTTPSettings,
-    reply_json,
-    token_count,
-)
+from wmo_trio.providers import _base, _http
 from wmo_trio.settings import NonEmptyText
 
 if TYPE_CHECKING:
@@ -69,16 +52,16 @@ MIN_THINKING_BUDGET = 1024  # the API's floor for `budget_tokens`
 _VERSIONS_WITH_TEMPERATURE = frozenset({"2023-06-01"})
 _CACHE_BREAKPOINT = {"type": "ephemeral"}
 _FINISH_REASONS = {
-    "tool_use": FinishReason.TOOL_CALLS,
-    "max_tokens": FinishReason.LENGTH,
-    "refusal": FinishReason.CONTENT_FILTER,
+    "tool_use": _base.FinishReason.TOOL_CALLS,
+    "max_tokens": _base.FinishReason.LENGTH,
+    "refusal": _base.FinishReason.CONTENT_FILTER,
 }
 # Thinking blocks kept for sending back: the API needs only each episode's latest tool-use
 # turn, so this covers far more concurrent episodes than one process runs.
 _THINKING_TABLE_SIZE = 4096
 
 
-class AnthropicSettings(HTTPSettings):
+class AnthropicSettings(_http.HTTPSettings):
     """Settings of the `anthropic` kind."""
 
     api_key_env: NonEmptyText = Field(
@@ -105,7 +88,7 @@ class AnthropicSettings(HTTPSettings):
         return value
 
 
-class AnthropicProvider(HTTPProvider[AnthropicSettings]):
+class AnthropicProvider(_http.HTTPProvider[AnthropicSettings]):
     """Claude through the Messages API. Safe to call from many worker threads at once.
 
     Settings (`AnthropicSettings`): `api_key_env` (the variable holding the key, default
@@ -120,7 +103,7 @@ class AnthropicProvider(HTTPProvider[AnthropicSettings]):
     sdk = "anthropic"
     sdk_error = "AnthropicError"
 
-    def __init__(self, config: ProviderConfig, settings: AnthropicSettings, api_key: str) -> None:
+    def __init__(self, config: _base.ProviderConfig, settings: AnthropicSettings, api_key: str) -> None:
         super().__init__(config, settings, (api_key, settings.base_url, settings.api_version))
         self._api_key = api_key
         self._sends_temperature = settings.api_version in _VERSIONS_WITH_TEMPERATURE
@@ -129,20 +112,20 @@ class AnthropicProvider(HTTPProvider[AnthropicSettings]):
         self._lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, config: ProviderConfig) -> Self:
+    def from_config(cls, config: _base.ProviderConfig) -> Self:
         """Check the settings and that the API key is there; no SDK import, no client."""
         settings: AnthropicSettings = AnthropicSettings.of(config)
-        return cls(config, settings, api_key_from_environment("anthropic", settings.api_key_env))
+        return cls(config, settings, _base.api_key_from_environment("anthropic", settings.api_key_env))
 
     # -- the exchange and the client ------------------------------------------------------
 
     async def _exchange(self, client: anthropic.AsyncAnthropic, content: bytes,
-                        http_timeout: httpx2.Timeout) -> HTTPReply:
+                        http_timeout: httpx2.Timeout) -> _http.HTTPReply:
         import httpx2  # imported already, with the client
 
         response = await client.post("/v1/messages", content=content, cast_to=httpx2.Response,
                                      options={"timeout": http_timeout})
-        return HTTPReply.of(response)
+        return _http.HTTPReply.of(response)
 
     def _client(self, **options: Any) -> anthropic.AsyncAnthropic:
         import anthropic
@@ -157,7 +140,7 @@ class AnthropicProvider(HTTPProvider[AnthropicSettings]):
 
     # -- request mapping -----------------------------------------------------------------
 
-    def request_body(self, request: ProviderRequest) -> JsonObject:
+    def request_body(self, request: _base.ProviderRequest) -> JsonObject:
         """The JSON body of the Messages API request for `request`."""
         body: JsonObject = {
             "model": self.config.model,
@@ -178,7 +161,7 @@ class AnthropicProvider(HTTPProvider[AnthropicSettings]):
         if thinking is not None:
             budget = thinking.get("budget_tokens")
             if isinstance(budget, int) and request.max_output_tokens <= budget:
-                raise ProviderError(
+                raise _base.ProviderError(
                     f"anthropic provider: max_output_tokens ({request.max_output_tokens}) must be "
                     f"larger than thinking.budget_tokens ({budget})"
                 )
@@ -193,7 +176,7 @@ class AnthropicProvider(HTTPProvider[AnthropicSettings]):
             last_blocks[-1] = {**last_blocks[-1], "cache_control": dict(_CACHE_BREAKPOINT)}
         return body
 
-    def _messages(self, messages: list[Message]) -> list[JsonObject]:
+    def _messages(self, messages: list[_base.Message]) -> list[JsonObject]:
         merged: list[JsonObject] = []
         for message in messages:
             role = "assistant" if message.role == "assistant" else "user"
@@ -206,10 +189,10 @@ class AnthropicProvider(HTTPProvider[AnthropicSettings]):
                 merged.append({"role": role, "content": blocks})
         return merged
 
-    def _blocks(self, message: Message) -> list[JsonObject]:
+    def _blocks(self, message: _base.Message) -> list[JsonObject]:
         if message.role == "tool":
             if message.tool_call_id is None:
-                raise ProviderError("anthropic provider: a tool message has no tool_call_id")
+                raise _base.ProviderError("anthropic provider: a tool message has no tool_call_id")
             result: JsonObject = {"type": "tool_result", "tool_use_id": message.tool_call_id,
                                   "is_error": message.is_error}
             if message.content:
@@ -232,22 +215,22 @@ class AnthropicProvider(HTTPProvider[AnthropicSettings]):
 
     # -- response mapping ----------------------------------------------------------------
 
-    def response(self, reply: HTTPReply) -> ProviderResponse:
+    def response(self, reply: _http.HTTPReply) -> _base.ProviderResponse:
         """The `ProviderResponse` for what `send` returned. A body that is not the API's
         message object is a retryable failure (a proxy's error page, a truncated reply)."""
-        message = reply_json(reply, "anthropic call")
+        message = _http.reply_json(reply, "anthropic call")
         if not isinstance(message, dict) or message.get("type") != "message":
-            raise ProviderError(f"anthropic call: the reply is not a message: {reply.body[:200]!r}",
+            raise _base.ProviderError(f"anthropic call: the reply is not a message: {reply.body[:200]!r}",
                                 retryable=True)
         texts: list[str] = []
-        calls: list[ToolCall] = []
+        calls: list[_base.ToolCall] = []
         thinking: list[JsonObject] = []
         for block in message.get("content") or []:
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
                 texts.append(str(block.get("text", "")))
             elif kind == "tool_use":
-                calls.append(parse_tool_call(str(block.get("id", "")), str(block.get("name", "")),
+                calls.append(_base.parse_tool_call(str(block.get("id", "")), str(block.get("name", "")),
                                              block.get("input")))
             elif kind == "thinking":
                 thinking.append({"type": "thinking", "thinking": block.get("thinking", ""),
@@ -261,15 +244,15 @@ class AnthropicProvider(HTTPProvider[AnthropicSettings]):
                     self._thinking_blocks.popitem(last=False)
         usage = message.get("usage") if isinstance(message.get("usage"), dict) else {}
         assert isinstance(usage, dict)
-        cache_read = token_count(usage.get("cache_read_input_tokens"))
-        cache_write = token_count(usage.get("cache_creation_input_tokens"))
-        return ProviderResponse(
+        cache_read = _http.token_count(usage.get("cache_read_input_tokens"))
+        cache_write = _http.token_count(usage.get("cache_creation_input_tokens"))
+        return _base.ProviderResponse(
             text="".join(texts),
             tool_calls=calls,
-            finish_reason=_FINISH_REASONS.get(str(message.get("stop_reason") or ""), FinishReason.STOP),
+            finish_reason=_FINISH_REASONS.get(str(message.get("stop_reason") or ""), _base.FinishReason.STOP),
             usage=TokenUsage(
-                input_tokens=token_count(usage.get("input_tokens")) + cache_read + cache_write,
-                output_tokens=token_count(usage.get("output_tokens")),
+                input_tokens=_http.token_count(usage.get("input_tokens")) + cache_read + cache_write,
+                output_tokens=_http.token_count(usage.get("output_tokens")),
                 cached_input_tokens=cache_read,
                 cache_write_input_tokens=cache_write,
                 calls=1,

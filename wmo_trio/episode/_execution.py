@@ -1,14 +1,14 @@
-"""Running one episode in this process: `EpisodeRuntime`, and the frame every runtime shares.
+"""Running one episode in this process: `LocalExecution`, and the frame every execution shares.
 
-A runtime runs one episode of one harness document, in the calling (worker) thread, and
+An execution runs one episode of one harness document, in the calling (worker) thread, and
 returns a `RunResult` for every ending. Everything that can stop it from outside (its
 control's interrupt, which `abort()`, `close()` and a true `should_cancel` send; the
 wall-clock budget) ends it at its next boundary and interrupts the call in flight, so the
 worker returns promptly.
 
-`EpisodeRuntime` runs the episode's program (`wmo_trio.episode.portable`: the built-in
+`LocalExecution` runs the episode's program (`wmo_trio.episode.portable`: the built-in
 loop, or a `code:runtime` document's code) in this process; it talks to the host through a
-`ProgramChannel` (`wmo_trio.episode.channel`), the host's end every backend decodes its
+`ProgramChannel` (`wmo_trio.episode._channel`), the host's end every backend decodes its
 frames into, so a request gets the same answer here as in a sandbox. **A `code:runtime`
 program then runs with the full rights of this process** (it can read and write any file,
 open connections, and ignore the kit): use it only for code you wrote or reviewed; an
@@ -29,23 +29,23 @@ from typing import Any, Protocol, Self
 import outcome
 
 from wmo_trio.control import CallControl
-from wmo_trio.episode.channel import ProgramChannel, ProtocolViolation, refuse
-from wmo_trio.episode.deadlines import DEADLINES
-from wmo_trio.episode.environment import Environment, Interruptible
-from wmo_trio.episode.log import EpisodeLog
+from wmo_trio.episode._channel import ProgramChannel, ProtocolViolation, refuse
+from wmo_trio.episode._deadlines import DEADLINES
+from wmo_trio.episode._environment import Environment, Interruptible
+from wmo_trio.episode._log import EpisodeLog
+from wmo_trio.episode._services import EpisodeEnded, EpisodeServices, episode_spec
 from wmo_trio.episode.portable import run_episode
-from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, episode_spec
 from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import RunResult, StopReason, count_tool_steps
-from wmo_trio.providers.base import Provider
+from wmo_trio.providers._base import Provider
 from wmo_trio.settings import DEFAULT_EPISODE_TIMEOUT_SEC, EpisodeSettings
 
-__all__ = ["DEFAULT_EPISODE_TIMEOUT_SEC", "EpisodeRuntime", "Runtime", "RuntimeBase", "RuntimeEpisode"]
+__all__ = ["DEFAULT_EPISODE_TIMEOUT_SEC", "BackendEpisode", "Execution", "ExecutionBase", "LocalExecution"]
 
 
-class Runtime(Protocol):
-    """One episode's runtime. `run` once, in a worker thread; `abort` and `close` from any
-    thread (`close` idempotent); `log` is readable while `run` goes. `with runtime:` closes
+class Execution(Protocol):
+    """One episode's execution. `run` once, in a worker thread; `abort` and `close` from any
+    thread (`close` idempotent); `log` is readable while `run` goes. `with execution:` closes
     it when the block ends."""
 
     log: EpisodeLog
@@ -61,8 +61,8 @@ class Runtime(Protocol):
     def __exit__(self, *exc_info: object) -> None: ...
 
 
-class RuntimeBase(ABC):
-    """What every runtime shares: one episode of one document, stoppable from any thread.
+class ExecutionBase(ABC):
+    """What every execution shares: one episode of one document, stoppable from any thread.
 
     Its control's interrupt (`wmo_trio.control.CallControl`) is the one signal that the
     episode stops: `abort()` and `close()` send it, and so does the engine when the
@@ -103,7 +103,7 @@ class RuntimeBase(ABC):
     @abstractmethod
     def run(self, task_id: str, instruction: str, environment: Environment) -> RunResult:
         """Run the episode to its end, in this (worker) thread: a `RunResult` for every
-        ending. Once per runtime."""
+        ending. Once per execution."""
 
     # -- control from other threads -------------------------------------------------------
 
@@ -114,7 +114,7 @@ class RuntimeBase(ABC):
         self.kill_program()
 
     def close(self) -> None:
-        """Stop whatever is left of the episode (as `abort`) and free what the runtime
+        """Stop whatever is left of the episode (as `abort`) and free what the execution
         holds. Idempotent."""
         with self._lock:
             if self._closed:
@@ -128,7 +128,7 @@ class RuntimeBase(ABC):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # -- what a runtime whose program runs elsewhere adds ------------------------------------
+    # -- what an execution whose program runs elsewhere adds ----------------------------------
 
     def kill_program(self) -> None:
         """End the program where it runs, at once (abort and close); nothing to kill when
@@ -191,7 +191,7 @@ class RuntimeBase(ABC):
                          turns=count_tool_steps(steps), worker_usage=self.log.usage())
 
 
-class EpisodeRuntime(RuntimeBase):
+class LocalExecution(ExecutionBase):
     """Runs one episode of `doc` with `provider` in this process; see the module docstring.
 
     `run()` returns a `RunResult` for every ending, `cancelled` and `budget` included; it
@@ -218,28 +218,28 @@ class EpisodeRuntime(RuntimeBase):
         return self._result(task_id, reason, answer)
 
 
-class RuntimeEpisode(ABC):
-    """One episode as the engine drives it (`wmo_trio.engine.Episode`), over a runtime that
+class BackendEpisode(ABC):
+    """One episode as the engine drives it (`wmo_trio.engine.Episode`), over an execution that
     `start` builds in the worker thread with the engine's control. What the harbor agent's
     episode and the research API's share: the engine's interrupt of that control stops it
-    (before the runtime exists too: its first boundary ends it), `stop()` aborts the
-    runtime for what the interrupt does not do (kill a program that runs elsewhere),
+    (before the execution exists too: its first boundary ends it), `stop()` aborts the
+    execution for what the interrupt does not do (kill a program that runs elsewhere),
     `close()` closes it; `record` is each caller's.
     """
 
-    # Aborting an EpisodeRuntime only sets flags and wakes threads; a subclass whose
-    # runtime aborts over the network says otherwise (its backend's `abort_is_quick`).
+    # Aborting a LocalExecution only sets flags and wakes threads; a subclass whose
+    # execution aborts over the network says otherwise (its backend's `abort_is_quick`).
     stop_is_quick: bool = True
 
     def __init__(self, task_id: str, instruction: str) -> None:
         self.task_id = task_id
         self.instruction = instruction
         self._lock = threading.Lock()
-        self._runtime: Runtime | None = None
+        self._execution: Execution | None = None
 
     @abstractmethod
-    def start(self, control: CallControl) -> tuple[Runtime, Environment]:
-        """The episode's runtime, built with `control`, and its environment, in the worker
+    def start(self, control: CallControl) -> tuple[Execution, Environment]:
+        """The episode's execution, built with `control`, and its environment, in the worker
         thread."""
 
     @abstractmethod
@@ -248,24 +248,25 @@ class RuntimeEpisode(ABC):
 
     @property
     def log(self) -> EpisodeLog | None:
-        """The runtime's log; None if the episode never started."""
+        """The execution's log; None if the episode never started."""
         with self._lock:
-            return self._runtime.log if self._runtime is not None else None
+            return self._execution.log if self._execution is not None else None
 
     def run(self, control: CallControl) -> RunResult:
-        runtime, environment = self.start(control)
+        execution, environment = self.start(control)
         with self._lock:
-            self._runtime = runtime
-        return runtime.run(self.task_id, self.instruction, environment)
+            self._execution = execution
+        return execution.run(self.task_id, self.instruction, environment)
 
     def stop(self) -> None:
         with self._lock:
-            runtime = self._runtime
-        if runtime is not None:
-            runtime.abort()
+            execution = self._execution
+        if execution is not None:
+            execution.abort()
 
     def close(self) -> None:
         with self._lock:
-            runtime = self._runtime
-        if runtime is not None:
-            runtime.close()
+            execution = self._execution
+        if execution is not None:
+            execution.close()
+

@@ -20,9 +20,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from wmo_trio.episode.services import EpisodeServices, PrefixMemo
+from wmo_trio.episode._services import EpisodeServices, PrefixMemo
 from wmo_trio.models import Action, ActionKind, Step, StopReason
-from wmo_trio.providers.base import Message, ProviderRequest, ToolSpec
+from wmo_trio.providers._base import Message, ProviderRequest, ToolSpec
 from wmo_trio.settings import validation_problem
 from wmo_trio.trace import nesting
 

@@ -41,9 +41,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import trio
 
+from wmo_trio._text import valid_json
 from wmo_trio.control import CallInterrupted
 from wmo_trio.models import JsonObject
-from wmo_trio.providers.base import (
+from wmo_trio.providers._base import (
     CallControl,
     ClosesOnExit,
     ProviderConfig,
@@ -54,9 +55,8 @@ from wmo_trio.providers.base import (
     ProviderSettings,
     loads_json,
 )
-from wmo_trio.providers.retry import is_retryable_status
+from wmo_trio.providers._retry import is_retryable_status
 from wmo_trio.settings import PositiveInt, PositiveSeconds
-from wmo_trio.text import valid_json
 
 if TYPE_CHECKING:
     import ssl

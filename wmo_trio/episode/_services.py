@@ -25,10 +25,11 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NoReturn
 
+from wmo_trio._text import valid_text
 from wmo_trio.control import CallControl
-from wmo_trio.episode.environment import Environment
-from wmo_trio.episode.log import EpisodeLog
-from wmo_trio.episode.tools import (
+from wmo_trio.episode._environment import Environment
+from wmo_trio.episode._log import EpisodeLog
+from wmo_trio.episode._tools import (
     MAX_OBSERVATION_CHARS,
     argument_problem,
     bounded_text,
@@ -39,8 +40,7 @@ from wmo_trio.episode.tools import (
 )
 from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import Action, ActionKind, Observation, StopReason
-from wmo_trio.providers.base import Message, Provider, ProviderError, ProviderRequest, ProviderResponse
-from wmo_trio.text import valid_text
+from wmo_trio.providers._base import Message, Provider, ProviderError, ProviderRequest, ProviderResponse
 
 Mode = Literal["loop", "code"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Self
 
 from wmo_trio.models import TokenUsage
-from wmo_trio.providers.base import (
+from wmo_trio.providers._base import (
     CallControl,
     ClosesOnExit,
     Provider,

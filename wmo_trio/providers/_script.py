@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from wmo_trio.models import TokenUsage
-from wmo_trio.providers.base import FinishReason, Message, ProviderConfigError
+from wmo_trio.providers._base import FinishReason, Message, ProviderConfigError
 from wmo_trio.settings import validation_problem
 
 ErrorKind = Literal[

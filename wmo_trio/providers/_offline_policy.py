@@ -15,8 +15,8 @@ import json
 import re
 from collections.abc import Callable
 
-from wmo_trio.providers.base import ProviderRequest
-from wmo_trio.providers.script import ScriptedReply, ScriptedToolCall, first_user_message
+from wmo_trio.providers._base import ProviderRequest
+from wmo_trio.providers._script import ScriptedReply, ScriptedToolCall, first_user_message
 
 Plan = list[tuple[str, str, dict[str, str]]]  # (thought, tool, arguments)
 

@@ -18,7 +18,7 @@ from; a missing id is made up; `finish_reason` `length` is the output limit, an 
 missing one is read from whether there are tool calls; a missing `usage` counts the call
 with zero tokens; a lone surrogate (half of an escaped pair) becomes U+FFFD. A reply
 without choices is a retryable failure, unless its error says otherwise; a body that cannot
-be read is judged as for every kind (`wmo_trio.providers.http.reply_json`), and JSON that is
+be read is judged as for every kind (`wmo_trio.providers._http.reply_json`), and JSON that is
 not an object is no chat completion (base_url names another API).
 
 Model I/O is `HTTPProvider`'s (`http.py`), as for the Anthropic provider: the worker thread
@@ -29,7 +29,7 @@ when the run ends. An interrupt cancels the call at once. The SDK's retries are 
 wmo_trio's retry policy (`retry.py`) decides.
 
 Before anything runs, `from_config` checks that the server is there and serves the model
-(`GET <base_url>/models`; see `wmo_trio.providers.openai_check`), once per process and
+(`GET <base_url>/models`; see `wmo_trio.providers._openai_check`), once per process and
 configuration, so harbor's preflight and `wmo-trio run`, which build the provider before any
 trial and off any event loop, pay for it and every trial's provider finds it done.
 """
@@ -46,27 +46,9 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 from pydantic import Field
 
 from wmo_trio.models import JsonObject, TokenUsage
-from wmo_trio.providers.base import (
-    FinishReason,
-    Message,
-    ProviderConfig,
-    ProviderConfigError,
-    ProviderError,
-    ProviderRequest,
-    ProviderResponse,
-    ToolCall,
-    api_key_from_environment,
-    parse_tool_call,
-)
-from wmo_trio.providers.http import (
-    HTTPProvider,
-    HTTPReply,
-    HTTPSettings,
-    reply_json,
-    token_count,
-)
-from wmo_trio.providers.openai_check import check_server
-from wmo_trio.providers.retry import is_retryable_status
+from wmo_trio.providers import _base, _http
+from wmo_trio.providers._openai_check import check_server
+from wmo_trio.providers._retry import is_retryable_status
 from wmo_trio.settings import NonEmptyText
 
 if TYPE_CHECKING:
@@ -80,11 +62,11 @@ DEFAULT_BASE_URL = "https://api.openai.com/v1"
 _OWNED_FIELDS = frozenset({"model", "messages", "tools", "max_tokens", "max_completion_tokens",
                            "temperature", "stream", "n"})
 _FINISH_REASONS = {
-    "stop": FinishReason.STOP,
-    "tool_calls": FinishReason.TOOL_CALLS,
-    "function_call": FinishReason.TOOL_CALLS,
-    "length": FinishReason.LENGTH,
-    "content_filter": FinishReason.CONTENT_FILTER,
+    "stop": _base.FinishReason.STOP,
+    "tool_calls": _base.FinishReason.TOOL_CALLS,
+    "function_call": _base.FinishReason.TOOL_CALLS,
+    "length": _base.FinishReason.LENGTH,
+    "content_filter": _base.FinishReason.CONTENT_FILTER,
 }
 # The SDK refuses to build a client without a key; with none, this stands in and the
 # Authorization header is left out of every request.
@@ -93,7 +75,7 @@ _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _ERROR_DETAIL_CHARS = 300
 
 
-class OpenAISettings(HTTPSettings):
+class OpenAISettings(_http.HTTPSettings):
     """Settings of the `openai` kind."""
 
     base_url: NonEmptyText | None = Field(
@@ -112,7 +94,7 @@ class OpenAISettings(HTTPSettings):
     check_server: bool = True
 
 
-class OpenAIProvider(HTTPProvider[OpenAISettings]):
+class OpenAIProvider(_http.HTTPProvider[OpenAISettings]):
     """A model behind the Chat Completions API. Safe to call from many worker threads.
 
     Settings (`OpenAISettings`): `base_url` (default: `OPENAI_BASE_URL`, else OpenAI's
@@ -135,7 +117,7 @@ class OpenAIProvider(HTTPProvider[OpenAISettings]):
     sdk = "openai"
     sdk_error = "OpenAIError"
 
-    def __init__(self, config: ProviderConfig, settings: OpenAISettings, api_key: str | None,
+    def __init__(self, config: _base.ProviderConfig, settings: OpenAISettings, api_key: str | None,
                  base_url: str) -> None:
         super().__init__(config, settings,
                          (api_key, base_url, tuple(sorted((settings.headers or {}).items()))))
@@ -143,7 +125,7 @@ class OpenAIProvider(HTTPProvider[OpenAISettings]):
         self._base_url = base_url
 
     @classmethod
-    def from_config(cls, config: ProviderConfig) -> Self:
+    def from_config(cls, config: _base.ProviderConfig) -> Self:
         """Check the settings, the API key and (once per process, unless `check_server` is
         false) that the server answers; no SDK import, no client."""
         settings: OpenAISettings = OpenAISettings.of(config)
@@ -151,7 +133,7 @@ class OpenAIProvider(HTTPProvider[OpenAISettings]):
         _check_extra_body(settings.extra_body or {})
         api_key: str | None = None
         if settings.api_key_env is not None:
-            api_key = api_key_from_environment(
+            api_key = _base.api_key_from_environment(
                 "openai", settings.api_key_env,
                 instead='; for a server that takes no key, such as a local vLLM, set "api_key_env": null')
         base_url = _checked_base_url(settings.base_url, api_key)
@@ -163,7 +145,7 @@ class OpenAIProvider(HTTPProvider[OpenAISettings]):
     # -- the exchange and the client ------------------------------------------------------
 
     async def _exchange(self, client: openai.AsyncOpenAI, content: bytes,
-                        http_timeout: httpx2.Timeout) -> HTTPReply:
+                        http_timeout: httpx2.Timeout) -> _http.HTTPReply:
         import httpx2  # imported already, with the client
         import openai
 
@@ -171,7 +153,7 @@ class OpenAIProvider(HTTPProvider[OpenAISettings]):
         headers = {"Authorization": openai.Omit()} if self._api_key is None else {}
         response = await client.post("/chat/completions", content=content, cast_to=httpx2.Response,
                                      options={"timeout": http_timeout, "headers": headers})
-        return HTTPReply.of(response)
+        return _http.HTTPReply.of(response)
 
     def _client(self, **options: Any) -> openai.AsyncOpenAI:
         import openai
@@ -191,7 +173,7 @@ class OpenAIProvider(HTTPProvider[OpenAISettings]):
 
     # -- request mapping -----------------------------------------------------------------
 
-    def request_body(self, request: ProviderRequest) -> JsonObject:
+    def request_body(self, request: _base.ProviderRequest) -> JsonObject:
         """The JSON body of the Chat Completions request for `request`."""
         messages: list[JsonObject] = []
         if request.system.strip():
@@ -213,12 +195,12 @@ class OpenAIProvider(HTTPProvider[OpenAISettings]):
 
     # -- response mapping ----------------------------------------------------------------
 
-    def response(self, reply: HTTPReply) -> ProviderResponse:
+    def response(self, reply: _http.HTTPReply) -> _base.ProviderResponse:
         """The `ProviderResponse` for what `send` returned; a `ProviderError` when the
         server's reply holds no answer."""
-        completion = reply_json(reply, f"openai-compatible server at {self._base_url}")
+        completion = _http.reply_json(reply, f"openai-compatible server at {self._base_url}")
         if not isinstance(completion, dict):
-            raise ProviderError(
+            raise _base.ProviderError(
                 f"openai-compatible server at {self._base_url}: the reply is not a chat "
                 f"completion: {reply.shown(_ERROR_DETAIL_CHARS)!r}; is base_url the API's root?")
         usage = _usage(_get(completion, "usage"))
@@ -234,8 +216,8 @@ class OpenAIProvider(HTTPProvider[OpenAISettings]):
             text, finish = refusal, "content_filter"
         reason = _FINISH_REASONS.get(finish) if isinstance(finish, str) else None
         if reason is None:
-            reason = FinishReason.TOOL_CALLS if calls else FinishReason.STOP
-        return ProviderResponse(text=text, tool_calls=calls, finish_reason=reason, usage=usage)
+            reason = _base.FinishReason.TOOL_CALLS if calls else _base.FinishReason.STOP
+        return _base.ProviderResponse(text=text, tool_calls=calls, finish_reason=reason, usage=usage)
 
     # -- errors --------------------------------------------------------------------------
 
@@ -249,10 +231,10 @@ def _get(value: object, name: str) -> Any:
     return value.get(name) if isinstance(value, dict) else None
 
 
-def _message(message: Message) -> JsonObject:
+def _message(message: _base.Message) -> JsonObject:
     if message.role == "tool":
         if message.tool_call_id is None:
-            raise ProviderError("openai provider: a tool message has no tool_call_id")
+            raise _base.ProviderError("openai provider: a tool message has no tool_call_id")
         return {"role": "tool", "tool_call_id": message.tool_call_id, "content": message.content}
     if message.role == "user" or not message.tool_calls:
         return {"role": message.role, "content": message.content}
@@ -267,7 +249,7 @@ def _message(message: Message) -> JsonObject:
     }
 
 
-def _sent_arguments(call: ToolCall) -> str:
+def _sent_arguments(call: _base.ToolCall) -> str:
     if call.arguments is None:
         return "{}"
     if call.raw_arguments:
@@ -285,10 +267,10 @@ def _text(content: object) -> str:
     return ""
 
 
-def _tool_calls(raw_calls: object) -> list[ToolCall]:
+def _tool_calls(raw_calls: object) -> list[_base.ToolCall]:
     if not isinstance(raw_calls, list):
         return []
-    calls: list[ToolCall] = []
+    calls: list[_base.ToolCall] = []
     seen: set[str] = set()
     for index, raw_call in enumerate(raw_calls):
         function = _get(raw_call, "function")
@@ -299,7 +281,7 @@ def _tool_calls(raw_calls: object) -> list[ToolCall]:
             # same one twice) still gets distinct ids back.
             call_id = f"call_{index}_{os.urandom(6).hex()}"
         seen.add(call_id)
-        calls.append(parse_tool_call(call_id, name if isinstance(name, str) else "",
+        calls.append(_base.parse_tool_call(call_id, name if isinstance(name, str) else "",
                                      _get(function, "arguments")))
     return calls
 
@@ -309,17 +291,17 @@ def _usage(usage: object) -> TokenUsage:
     `prompt_tokens_details.cached_tokens` (DeepSeek: `prompt_cache_hit_tokens`)."""
     if usage is None:
         return TokenUsage(calls=1)
-    prompt = token_count(_get(usage, "prompt_tokens"))
+    prompt = _http.token_count(_get(usage, "prompt_tokens"))
     details = _get(usage, "prompt_tokens_details")
     if details is not None:
-        cached = token_count(_get(details, "cached_tokens"))
+        cached = _http.token_count(_get(details, "cached_tokens"))
     else:
-        cached = token_count(_get(usage, "prompt_cache_hit_tokens"))
-    return TokenUsage(input_tokens=prompt, output_tokens=token_count(_get(usage, "completion_tokens")),
+        cached = _http.token_count(_get(usage, "prompt_cache_hit_tokens"))
+    return TokenUsage(input_tokens=prompt, output_tokens=_http.token_count(_get(usage, "completion_tokens")),
                       cached_input_tokens=min(cached, prompt), calls=1)
 
 
-def _no_choices(completion: Any, usage: TokenUsage) -> ProviderError:
+def _no_choices(completion: Any, usage: TokenUsage) -> _base.ProviderError:
     """A 200 reply without an answer: gateways send one when the model behind them failed,
     sometimes with an `error` object (its `code` an HTTP status)."""
     problem = _get(completion, "error")
@@ -331,7 +313,7 @@ def _no_choices(completion: Any, usage: TokenUsage) -> ProviderError:
             status = code
     elif problem is not None:
         detail = f": {problem}"
-    return ProviderError(
+    return _base.ProviderError(
         f"openai-compatible server answered without a choice{detail}"[:_ERROR_DETAIL_CHARS * 2],
         status=status, retryable=status is None or is_retryable_status(status), usage=usage)
 
@@ -352,27 +334,27 @@ def _check_headers(headers: Mapping[str, str]) -> None:
     # Values are never quoted back: a header may carry a credential.
     for name, value in headers.items():
         if name.lower() == "authorization":
-            raise ProviderConfigError(
+            raise _base.ProviderConfigError(
                 "openai provider: headers must not hold Authorization; put the key in an "
                 "environment variable and name it in api_key_env")
         if not _HEADER_NAME.match(name):
-            raise ProviderConfigError(f"openai provider: headers: {name!r} is not an HTTP header name")
+            raise _base.ProviderConfigError(f"openai provider: headers: {name!r} is not an HTTP header name")
         if any(c in value for c in "\r\n\x00"):
-            raise ProviderConfigError(
+            raise _base.ProviderConfigError(
                 f"openai provider: headers: the value of {name!r} holds a line break or NUL")
 
 
 def _check_extra_body(extra_body: Mapping[str, Any]) -> None:
     owned = sorted(_OWNED_FIELDS.intersection(extra_body))
     if owned:
-        raise ProviderConfigError(
+        raise _base.ProviderConfigError(
             f"openai provider: extra_body must not set {', '.join(owned)}: wmo_trio sets the "
             "model, messages and tools, the document's params set the output limit and the "
             "temperature, and stream or n would change the reply's shape")
     try:
         json.dumps(extra_body, allow_nan=False)
     except (TypeError, ValueError) as error:
-        raise ProviderConfigError(f"openai provider: extra_body must be JSON ({error})") from None
+        raise _base.ProviderConfigError(f"openai provider: extra_body must be JSON ({error})") from None
 
 
 def _checked_base_url(configured: str | None, api_key: str | None) -> str:
@@ -382,7 +364,7 @@ def _checked_base_url(configured: str | None, api_key: str | None) -> str:
         url, source = os.environ["OPENAI_BASE_URL"].strip(), "OPENAI_BASE_URL"
     else:
         if api_key is None:
-            raise ProviderConfigError(
+            raise _base.ProviderConfigError(
                 'openai provider: "api_key_env": null needs a base_url (a server that takes '
                 "no key, such as http://localhost:8000/v1); OpenAI's own API needs a key")
         return DEFAULT_BASE_URL
@@ -392,7 +374,7 @@ def _checked_base_url(configured: str | None, api_key: str | None) -> str:
     except ValueError:  # a malformed address, such as an unclosed IPv6 bracket
         usable = False
     if not usable:
-        raise ProviderConfigError(
+        raise _base.ProviderConfigError(
             f"openai provider: {source} must be an http(s) URL such as http://localhost:8000/v1, "
             f"got {url!r}")
     return url.rstrip("/")

@@ -3,7 +3,7 @@
 It answers from one of three sources, chosen by its settings:
 
 - `script`: a list of replies (inline, or a JSON file holding a list or `{"replies": [...]}`;
-  the format is `wmo_trio.providers.script`);
+  the format is `wmo_trio.providers._script`);
 - `replay`: a JSONL recording written by `RecordingProvider` (see `recording.py`);
 - neither: the built-in offline policy, which knows the bundled example tasks.
 
@@ -26,9 +26,9 @@ from typing import Any, Self
 
 from pydantic import Field
 
-from wmo_trio.file_cache import parse_file_once
+from wmo_trio._file_cache import parse_file_once
 from wmo_trio.models import TokenUsage
-from wmo_trio.providers.base import (
+from wmo_trio.providers._base import (
     CallControl,
     ClosesOnExit,
     FinishReason,
@@ -42,9 +42,9 @@ from wmo_trio.providers.base import (
     ToolCall,
     parse_tool_call,
 )
-from wmo_trio.providers.offline_policy import offline_policy
-from wmo_trio.providers.recording import load_replay
-from wmo_trio.providers.script import ScriptedError, ScriptedReply, load_script
+from wmo_trio.providers._offline_policy import offline_policy
+from wmo_trio.providers._recording import load_replay
+from wmo_trio.providers._script import ScriptedError, ScriptedReply, load_script
 from wmo_trio.settings import NonNegativeSeconds
 
 # The scripted kind's model without a script or a replay: the built-in policy.

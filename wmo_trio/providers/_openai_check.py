@@ -4,7 +4,7 @@ episode: `check_server` (`GET <base_url>/models`), made by the `openai` kind's
 
 It speaks HTTP the way the model calls do: through the SDKs' own HTTP library (httpx, which
 the openai SDK is built on), with the process's one TLS context
-(`wmo_trio.providers.http.tls_context`), without importing the SDK itself.
+(`wmo_trio.providers._http.tls_context`), without importing the SDK itself.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from wmo_trio.providers.base import ProviderConfigError
-from wmo_trio.providers.http import tls_context
+from wmo_trio.providers._base import ProviderConfigError
+from wmo_trio.providers._http import tls_context
 
 if TYPE_CHECKING:
     import httpx2
 
 __all__ = ["CHECK_TIMEOUT_S", "check_server"]
 
-log = logging.getLogger("wmo_trio.providers.openai")
+log = logging.getLogger("wmo_trio.providers._openai")
 
 # How long the check that the server is there may take: it runs before anything else, once.
 CHECK_TIMEOUT_S = 10.0

@@ -3,7 +3,7 @@
 An environment answers the three environment tools (`bash`, `read_file`, `write_file`).
 `ShellEnvironment` implements their semantics once, over two primitives a concrete
 environment provides: run a shell command, and write a file's bytes. Its subclasses are
-`LocalDirEnvironment` (a directory on this host) and the harbor adapter (harbor's task
+`DirectoryShell` (a directory on this host) and the harbor adapter (harbor's task
 environment, reached through the trio engine). `HarborShell` is how a harbor task
 environment runs commands and writes files, for that adapter and for trio code alike.
 """
@@ -23,8 +23,9 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from wmo_trio._text import has_lone_surrogate
 from wmo_trio.control import CallInterrupted
-from wmo_trio.episode.tools import (
+from wmo_trio.episode._tools import (
     argument_problem,
     command_observation,
     decode_output,
@@ -35,7 +36,6 @@ from wmo_trio.episode.tools import (
 )
 from wmo_trio.models import Action, ActionKind, Observation
 from wmo_trio.settings import DEFAULT_COMMAND_TIMEOUT_SEC, CommandTimeout, checked
-from wmo_trio.text import has_lone_surrogate
 
 
 def check_command_timeout(value: object, *, name: str = "command_timeout_sec") -> int:
@@ -182,7 +182,7 @@ class ShellEnvironment(ABC):
         """Release resources. Idempotent."""
 
 
-class LocalDirEnvironment(ShellEnvironment):
+class DirectoryShell(ShellEnvironment):
     """Commands run by `bash -c` in a working directory of this host.
 
     No isolation at all: commands see the whole host. Meant for tests, trusted local runs

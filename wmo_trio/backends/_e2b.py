@@ -1,7 +1,7 @@
 """The e2b backend: the episode's loop runs in an E2B sandbox, its model and tools on the host.
 
-An optimizer mutates agent code, and mutated code must not run on the host. `E2BRuntime`
-(the same surface as `EpisodeRuntime`: `run`, `abort`, `close`, `log`)
+An optimizer mutates agent code, and mutated code must not run on the host. `E2BExecution`
+(the same surface as `LocalExecution`: `run`, `abort`, `close`, `log`)
 runs the episode's loop, the document's `code:runtime` program or else the built-in loop,
 as a *runner* process in a fresh sandbox, and answers what it asks for on the host: model
 calls with the host's provider, tool calls with the episode's environment (harbor's task
@@ -9,7 +9,7 @@ environment in production). The host stays the authority: it counts every budget
 every boundary, records every step, and ends the episode by killing the sandbox.
 
 Deployment. The sandbox needs nothing but `python3` (3.8 or newer, standard library only),
-so E2B's default `base` template works. Per attempt the runtime creates a sandbox from the
+so E2B's default `base` template works. Per attempt the execution creates a sandbox from the
 template (timeout: the episode's remaining budget plus `sandbox_grace_s`, so it outlives
 the episode but never by much), uploads `portable.py` (`wmo_trio/episode/portable.py`, read
 from the installed package: the same program an in-process episode runs) and
@@ -92,18 +92,18 @@ from wmo_trio.backends._frames import (
     ended_early,
     serve_frames,
 )
-from wmo_trio.episode.channel import ProtocolViolation, refuse
-from wmo_trio.episode.environment import Environment
-from wmo_trio.episode.runtime import RuntimeBase
-from wmo_trio.episode.services import EpisodeEnded, EpisodeServices, episode_mode, episode_spec
+from wmo_trio.episode._channel import ProtocolViolation, refuse
+from wmo_trio.episode._environment import Environment
+from wmo_trio.episode._execution import ExecutionBase
+from wmo_trio.episode._services import EpisodeEnded, EpisodeServices, episode_mode, episode_spec
 from wmo_trio.harness import HarnessDoc
 from wmo_trio.models import RunResult, StopReason
-from wmo_trio.providers.base import Provider
+from wmo_trio.providers._base import Provider
 from wmo_trio.settings import NonEmptyText, PositiveSeconds, Settings, TemplateName
 
-__all__ = ["DEFAULT_TEMPLATE", "E2BRuntime", "E2BSettings"]
+__all__ = ["DEFAULT_TEMPLATE", "E2BExecution", "E2BSettings"]
 
-log = logging.getLogger("wmo_trio.backends.e2b")
+log = logging.getLogger("wmo_trio.backends._e2b")
 
 DEFAULT_TEMPLATE = "base"
 RUNNER_SOURCE = resources.files("wmo_trio.episode").joinpath("portable.py").read_text(encoding="utf-8")
@@ -200,7 +200,7 @@ class _RunnerProcess:
         return ended_early(exited, self._stderr)
 
 
-class E2BRuntime(RuntimeBase):
+class E2BExecution(ExecutionBase):
     """Runs one episode of `doc` with its loop in an E2B sandbox. See the module docstring.
 
     `run()` returns a `RunResult` for every ending, failures of the sandbox included, and
