@@ -47,16 +47,6 @@ from wmo_trio.trace import (
     write_atomically,
 )
 
-__all__ = [
-    "DirectoryEnvironment",
-    "EpisodePool",
-    "EpisodeSpec",
-    "HarborEnvironment",
-    "Pool",
-    "TrioEnvironment",
-    "open_local_pool",
-]
-
 
 @runtime_checkable
 class TrioEnvironment(Protocol):
