@@ -177,7 +177,7 @@ def test_the_betting_interval_covers_the_mean_and_narrows() -> None:
     assert wide[1] - wide[0] > high - low
 
 
-@pytest.mark.parametrize("correlation", [0.0, 0.9])  # 0.5 in docs/race.md, on 10,000
+@pytest.mark.parametrize("correlation", [0.0, 0.9])  # 0.5 in docs/race.md, on 2,000
 @CONTROLS
 def test_equal_candidates_are_declared_different_in_at_most_alpha_of_races(
     correlation: float, familywise: bool,
@@ -196,7 +196,7 @@ def test_the_best_candidate_is_dropped_in_at_most_alpha_of_races(
     means: tuple[float, ...], correlation: float, races: int, familywise: bool,
 ) -> None:
     # (0.55, ...): a gap too small to show in 200 tasks, so the best runs against the
-    # others to the end (docs/race.md has it on 10,000 races, for both controls).
+    # others to the end (docs/race.md has it on 2,000 races, for both controls).
     result = simulated(means, correlation, seed=13, familywise=familywise, races=races)
     assert result.best_dropped.mean() <= ALPHA
 
@@ -218,7 +218,7 @@ def test_each_of_several_best_candidates_is_dropped_in_at_most_alpha_of_races(
 def test_only_the_familywise_control_keeps_every_tied_best_candidate_together() -> None:
     # Four tied for best and four far behind: the gate opens at once, then each best
     # candidate runs its own alpha, and some one of them is dropped in more than alpha of
-    # races (up to 4 alpha; docs/race.md, "What per candidate does not give").
+    # races (up to 4 alpha; docs/race.md, "The multiplicity" and "Several tied for best").
     means = (0.5,) * 4 + (0.1,) * 4
     per_candidate = simulated(means, 0.0, seed=19, races=300)
     closed = simulated(means, 0.0, seed=19, races=300, familywise=True)
@@ -233,7 +233,7 @@ def test_only_the_familywise_control_keeps_every_tied_best_candidate_together() 
 def test_a_clearly_better_candidate_wins_on_at_most_40_percent_of_the_trials(
     means: tuple[float, ...], correlation: float, familywise: bool,
 ) -> None:
-    # Where (c) holds, on 10,000 races in docs/race.md: correlated candidates (variants of
+    # Where (c) holds, on 8,000 races in docs/race.md: correlated candidates (variants of
     # one harness on one task set) under either control; independent ones per candidate
     # at a base rate of 0.15 (0.32).
     result = simulated(means, correlation, seed=13, familywise=familywise)
