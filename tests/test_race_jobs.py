@@ -97,6 +97,9 @@ def test_a_race_drops_the_worse_candidates_and_saves_trials(
     assert status[hashes["poor"]].status == "dropped"
     assert status[hashes["poor"]].behind == hashes["good"]
     assert report.stop_reason == "one candidate left" and report.finished
+    # The default control, per candidate: the drops came after the gate opened.
+    assert report.settings.familywise is False and report.gate_open is True
+    assert report.global_evidence >= 1 / report.settings.alpha
     assert report.trials < report.full_trials == 3 * (TASKS + 1)
     assert report.trials_saved == report.full_trials - report.trials
     assert status[hashes["good"]].mean_reward == 1.0
@@ -170,7 +173,8 @@ def test_ctrl_c_leaves_a_job_directory_that_reads_as_the_race_so_far(tmp_path: P
                                                                      pause=3)]
     command = [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, "
                "signal.SIG_DFL); from wmo_trio.cli import main; sys.argv[0] = 'wmo-trio'; "
-               "main()", *race_args(tmp_path / "jobs", tasks, *docs), "--alpha", "0.01"]
+               "main()", *race_args(tmp_path / "jobs", tasks, *docs), "--alpha", "0.01",
+               "--familywise"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env={**os.environ, "COLUMNS": "200"})
     race_file = tmp_path / "jobs" / "race" / "race.json"
@@ -191,6 +195,7 @@ def test_ctrl_c_leaves_a_job_directory_that_reads_as_the_race_so_far(tmp_path: P
     report = read_race(race_file.parent)
     assert (report.finished, report.stop_reason) == (False, "interrupted")
     assert report.rounds >= 1 and report.note is not None
+    assert report.settings.familywise is True and report.gate_open is None
     # The directory is a harbor job still: its finished trials, the round cut short too.
     records = load_jobs([race_file.parent])
     assert len(records) >= report.trials
@@ -204,6 +209,7 @@ def test_the_docs_example_races_the_bundled_candidates(tmp_path: Path) -> None:
     report = read_race(clone / "jobs" / "race")
     assert report.finished and len(report.candidates) == 3
     assert "trials:" in completed.stdout and "job directory:" in completed.stdout
+    assert "control: per candidate, each one among the best dropped" in completed.stdout
 
 
 @pytest.fixture(scope="module")
