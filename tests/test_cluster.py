@@ -292,6 +292,19 @@ def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path: Path) -> None:
         assert trace["stop_reason"] == "cancelled-by-harbor" and trace["partial"] is True
 
 
+def held_specs(server: Any, directory: Path, name: str, count: int) -> list[Any]:
+    """Research episodes of the Anthropic SDK against `server`, each traced in `directory`."""
+    import wmo_trio
+    from wmo_trio import EpisodeSpec, LocalProcessEnvironment
+
+    doc = wmo_trio.load_harness(ROOT / "examples" / "harness.json")
+    provider = {"kind": "anthropic", "model": "claude-bench", "base_url": server.base_url,
+                "api_key_env": KEY_ENV}
+    return [EpisodeSpec(doc, provider, "run the steps", LocalProcessEnvironment(directory),
+                        task_id=f"{name}-{i}", trace_path=directory / f"{name}-{i}.json")
+            for i in range(count)]
+
+
 async def _within(seconds: float, afn: Any) -> None:
     with trio.fail_after(seconds):
         await afn()
@@ -332,16 +345,10 @@ async def test_cancelling_a_fan_out_on_workers_writes_each_partial_trace_here(
         ray_cluster: Any, tmp_path: Path) -> None:
     import wmo_trio
     from benchmarks.messages_server import serve
-    from wmo_trio import EpisodeSpec, LocalProcessEnvironment
 
-    doc = wmo_trio.load_harness(ROOT / "examples" / "harness.json")
     with serve(delay_s=0, tool_calls=4) as server:
         server.hold()
-        provider = {"kind": "anthropic", "model": "claude-bench", "base_url": server.base_url,
-                    "api_key_env": KEY_ENV}
-        specs = [EpisodeSpec(doc, provider, "run four steps", LocalProcessEnvironment(tmp_path),
-                             task_id=f"held-{i}", trace_path=tmp_path / f"held-{i}.json")
-                 for i in range(4)]
+        specs = held_specs(server, tmp_path, "held", 4)
         async with wmo_trio.open_episode_pool(limit=4, ray_address=ray_cluster.address) as pool:
             with trio.move_on_after(TIMEOUT_S) as cap:
                 async with pool.fan_out(specs):
@@ -352,3 +359,28 @@ async def test_cancelling_a_fan_out_on_workers_writes_each_partial_trace_here(
     for i in range(4):
         trace = json.loads((tmp_path / f"held-{i}.json").read_text())
         assert trace["stop_reason"] == "cancelled-by-caller" and trace["partial"] is True
+
+
+async def test_a_fan_out_whose_worker_is_killed_runs_its_episodes_again_and_loses_none(
+        ray_cluster: Any, tmp_path: Path) -> None:
+    import wmo_trio
+    from benchmarks.messages_server import serve
+
+    with serve(delay_s=0, tool_calls=1) as server:
+        server.hold()
+        specs = held_specs(server, tmp_path, "killed", 4)
+        reasons: dict[str, str] = {}
+        with trio.fail_after(TIMEOUT_S):
+            async with wmo_trio.open_episode_pool(limit=4, ray_address=ray_cluster.address) as pool:
+                killed = pool.workers[0].pid
+                async with pool.fan_out(specs) as results:
+                    while server.stats()["held"] < 4:  # noqa: ASYNC110 - another process's state
+                        await trio.sleep(0.2)
+                    os.kill(killed, signal.SIGKILL)  # two of the four episodes run there
+                    server.hold(False)
+                    async for spec, outcome in results:
+                        reasons[spec.task_id] = outcome.unwrap().stop_reason
+    assert alive({killed}) == set()
+    assert reasons == {spec.task_id: "submitted" for spec in specs}  # each once, none lost
+    for spec in specs:
+        assert json.loads(Path(str(spec.trace_path)).read_text())["stop_reason"] == "submitted"
