@@ -75,11 +75,17 @@ class Submitted(BaseModel):
 
 class EpisodeReturn(BaseModel):
     """An episode as its worker ended it: its result, or what it raised (the exception
-    itself when it pickles, else its type and text), and its trace's text."""
+    itself when it pickles, else its type and text), and its trace's text.
+
+    The result travels as its JSON text, parsed where it is used: unpickled, its dozens of
+    nested models (steps, actions, observations) cost the driver more CPU than the rest of
+    its episode (`make bench`, the scale-out's driver). `result` holds one that has no JSON
+    form."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     key: int = -1
+    result_json: str | None = None
     result: RunResult | None = None
     error: Any = None
     error_text: str | None = None
@@ -87,6 +93,8 @@ class EpisodeReturn(BaseModel):
     trace: str | None = None
 
     def unwrap(self) -> RunResult:
+        if self.result_json is not None:
+            return RunResult.model_validate_json(self.result_json)
         if self.result is not None:
             return self.result
         if isinstance(self.error, BaseException):
@@ -253,7 +261,10 @@ class EpisodeWorker:
 
 def _returned(key: int, result: outcome.Outcome[RunResult], trace: str | None) -> EpisodeReturn:
     if isinstance(result, outcome.Value):
-        return EpisodeReturn(key=key, result=result.value, trace=trace)
+        try:
+            return EpisodeReturn(key=key, result_json=result.value.model_dump_json(), trace=trace)
+        except ValueError:  # pydantic-core's serialization errors
+            return EpisodeReturn(key=key, result=result.value, trace=trace)
     assert isinstance(result, outcome.Error)
     error = result.error
     if isinstance(error, trio.Cancelled):

@@ -43,6 +43,7 @@ from wmo_trio.backends import check_backend
 from wmo_trio.cluster import ClusterError, ClusterOptions, WorkerLostError, open_cluster, ray_value
 from wmo_trio.cluster._workers import CALL_RETRIES, STOP_GRACE_S, start_workers, started, stop_workers
 from wmo_trio.cluster._workers import WorkerInfo as WorkerInfo
+from wmo_trio.engine import settle_heap
 from wmo_trio.models import RunResult
 from wmo_trio.providers import Provider, ProviderConfig, build_provider, portable_provider_config
 from wmo_trio.research._episode_worker import (
@@ -58,7 +59,9 @@ from wmo_trio.settings import EpisodeSettings, PositiveInt, checked
 from wmo_trio.trace import CANCELLED_BY_CALLER, TraceIdentity, trace_for, trace_text, write_atomically
 
 TAKE_WAIT_S = 1.0  # a poll's longest wait on its worker: how soon the poller sees a stop
-TAKE_LINGER_S = 0.02  # after the first ended episode, what a poll waits for others
+TAKE_LINGER_S = 0.25  # after the first ended episode, how long a poll gathers others: at most a
+# few polls a second each worker, however slowly episodes end (a poll costs both processes
+# a Ray call; 20 ms cost the driver twice the CPU on a loaded machine)
 CONTROL_CALLS = 4  # a worker's calls at once besides its episodes: submit, take, cancel, ready
 
 
@@ -445,6 +448,7 @@ async def open_remote_pool(limit: int, options: ClusterOptions) -> AsyncIterator
         handles = start_workers(EpisodeWorker, cluster, CONTROL_CALLS, slots)
         try:
             pool = RemotePool(limit, handles, await started(handles, cluster), slots)
+            settle_heap()  # as a pool in one process does before its first burst
             async with trio.open_nursery() as nursery:
                 # Shielded: an episode whose caller is cancelled waits for its worker's
                 # answer, which these bring, whatever else was cancelled.
