@@ -54,8 +54,11 @@ def ray_cluster() -> Iterator[Any]:
         patch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
         # This process's other children (earlier test files' servers) are not the cluster's.
         before = set(descendants(os.getpid()))
+        # What an embedded cluster starts (wmo_trio.cluster._session): no log monitor, no
+        # autoscaler monitor, two Python processes fewer to start.
         cluster = Cluster(initialize_head=True, shutdown_at_exit=False,
-                          head_node_args={"num_cpus": 1, "include_dashboard": False})
+                          head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                          "include_log_monitor": False, "no_monitor": True})
         try:
             cluster.add_node(num_cpus=1)
             yield cluster
