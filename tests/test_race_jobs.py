@@ -2,12 +2,15 @@
 environment, candidates whose agent code (`code:runtime`, run in-process with
 `--backend local`) passes each task at a set rate, chosen per task by a hash of its
 instruction. One race, shared by the module, holds the edge cases that need trials: a
-candidate whose trials all fail before its program runs, a task whose build fails for
-everyone. The refusals run nothing; Ctrl-C runs a race of its own in a subprocess.
+candidate whose program fails as it loads, a task whose build fails for everyone. A
+second, run by the function the command runs, holds a candidate whose trials all fail
+before its agent runs and a document file edited in the middle of the race. The refusals
+run nothing; Ctrl-C runs a race of its own in a subprocess.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -18,14 +21,17 @@ import time
 from pathlib import Path
 
 import pytest
+import trio
 from test_readme import blocks, make_clone, run_as_written
 from typer.testing import CliRunner
 
 from wmo_trio.cli import app
+from wmo_trio.cli._race import build_race
+from wmo_trio.cli._run import RunOptions
 from wmo_trio.compare import compare_jobs, load_jobs
 from wmo_trio.harness import load_harness
 from wmo_trio.race import RaceReport
-from wmo_trio.race._harbor import read_race
+from wmo_trio.race._harbor import read_race, run_race
 
 ROOT = Path(__file__).resolve().parent.parent
 HELLO = ROOT / "examples" / "tasks" / "hello-file"
@@ -130,7 +136,6 @@ def test_a_race_drops_the_worse_candidates_and_saves_trials(
 def test_a_candidate_whose_program_fails_before_it_acts_is_counted_zero_and_dropped(
     raced: tuple[Path, RaceReport, dict[str, str]],
 ) -> None:
-    _, report, hashes = raced
     job, report, hashes = raced
     broken = next(c for c in report.candidates if c.key == hashes["broken"])
     assert broken.status == "dropped" and broken.mean_reward == 0.0 and broken.trials > 0
@@ -138,7 +143,7 @@ def test_a_candidate_whose_program_fails_before_it_acts_is_counted_zero_and_drop
     # scored what it left (nothing): 0, as the race counts it.
     results = [json.loads(f.read_text()) for f in job.glob("*/result.json")]
     stops = {r["agent_result"]["metadata"]["stop_reason"] for r in results
-             if r["config"]["agent"]["kwargs"]["harness"].endswith("broken.json")
+             if r["config"]["agent"]["kwargs"]["doc_hash"] == hashes["broken"]
              and r["task_name"] != "unbuildable"}
     assert stops == {"error"}
 
@@ -225,3 +230,71 @@ def test_the_docs_example_races_the_bundled_candidates(tmp_path: Path) -> None:
     report = read_race(clone / "jobs" / "race")
     assert report.finished and len(report.candidates) == 3
     assert "trials:" in completed.stdout and "job directory:" in completed.stdout
+
+
+@pytest.fixture(scope="module")
+def raced_in_process(tmp_path_factory: pytest.TempPathFactory
+                     ) -> tuple[Path, RaceReport, dict[str, str], list[int]]:
+    """A race of `steady` and `unset` over four tasks, at a level no four tasks can reach
+    (every round runs both): `unset`'s agent is given no time for its setup (harbor's own
+    per-agent `override_setup_timeout_sec`), so each of its trials fails before its agent
+    runs; `steady`'s document file is rewritten to another document after the first round."""
+    root = tmp_path_factory.mktemp("race-in-process")
+    tasks = make_tasks(root / "tasks", 4)
+    docs = {"steady": candidate(root, "steady", 1.0), "unset": candidate(root, "unset", 1.0)}
+    hashes = {name: load_harness(path).doc_hash for name, path in docs.items()}
+    options = RunOptions(paths=[tasks], concurrency=2, jobs_dir=root / "jobs",
+                         job_name="race", environment=ENV, backend="local")
+    plan = build_race(options, list(docs.values()), baseline=None, alpha=0.001,
+                      max_trials=None, seed=0)
+    plan.config.agents[1].override_setup_timeout_sec = 0.0
+    rounds: list[int] = []
+
+    def edit_steady(report: RaceReport) -> None:
+        rounds.append(report.rounds)
+        if report.rounds == 1:  # now the file holds another document
+            candidate(root, "steady", 0.0, answer="/app/elsewhere.txt")
+
+    report = trio.run(functools.partial(run_race, plan, on_round=edit_steady))
+    assert load_harness(docs["steady"]).doc_hash != hashes["steady"]
+    return root / "jobs" / "race", report, hashes, rounds
+
+
+@pytest.mark.harbor
+def test_a_candidate_whose_trials_all_fail_before_its_agent_runs_is_credited_zero(
+    raced_in_process: tuple[Path, RaceReport, dict[str, str], list[int]],
+) -> None:
+    job, report, hashes, _ = raced_in_process
+    unset = next(c for c in report.candidates if c.key == hashes["unset"])
+    # Every trial of it ran no agent (harbor recorded the setup's timeout) and has no
+    # reward: each counts 0 for it, and the report says why. The tasks stay in the race:
+    # the other candidate's trials of them were scored.
+    assert (unset.tasks, unset.trials, unset.mean_reward) == (4, 4, 0.0)
+    assert (unset.errors, unset.unscored) == (4, 4)
+    assert unset.failures == {"AgentSetupTimeoutError": 4}
+    assert report.left_out == [] and len(report.task_order) == 4
+    results = [json.loads(f.read_text()) for f in job.glob("*/result.json")]
+    theirs = [r for r in results if r["config"]["agent"]["kwargs"]["doc_hash"] == hashes["unset"]]
+    assert len(theirs) == 4
+    for result in theirs:
+        assert result["exception_info"]["exception_type"] == "AgentSetupTimeoutError"
+        assert result["agent_execution"] is None and result["verifier_result"] is None
+
+
+@pytest.mark.harbor
+def test_a_document_edited_during_the_race_does_not_change_its_candidate(
+    raced_in_process: tuple[Path, RaceReport, dict[str, str], list[int]],
+) -> None:
+    job, report, hashes, rounds = raced_in_process
+    assert rounds == [1, 2, 3, 4] and report.finished and report.stop_reason == "tasks exhausted"
+    steady = next(c for c in report.candidates if c.key == hashes["steady"])
+    # Every round, the edited file's included, ran the document the race was given, as
+    # its trials' own records say, and it passed every task as that document does.
+    assert (steady.tasks, steady.mean_reward, steady.errors) == (4, 1.0, 0)
+    results = [json.loads(f.read_text()) for f in job.glob("*/result.json")]
+    ran = [r["agent_result"]["metadata"]["candidate_doc_hash"] for r in results
+           if r["agent_result"] is not None]
+    assert ran == [hashes["steady"]] * 4
+    # The job's configuration carries each document itself, not the path of its file.
+    config = json.loads((job / "config.json").read_text())
+    assert all(isinstance(agent["kwargs"]["harness"], dict) for agent in config["agents"])

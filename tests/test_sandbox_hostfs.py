@@ -9,7 +9,8 @@ import errno
 import os
 import stat
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,10 @@ from wmo_trio.sandbox._hostfs import (
     read_beneath,
     read_tail,
     remove_beneath,
+    remove_tree,
     replace_beneath,
     safe_mode,
+    tree_size,
 )
 from wmo_trio.sandbox._transfer import TransferIncomplete, TransferLimits
 
@@ -194,6 +197,64 @@ def test_remove_beneath_removes_the_link_not_its_target(tmp_path: Path) -> None:
     assert not os.path.lexists(tmp_path / "upper" / "etc" / "resolv.conf")
 
 
+@pytest.fixture
+def memory_path(tmp_path: Path) -> Iterator[Path]:
+    """A scratch directory in memory where there is one (/dev/shm): a tree of thousands
+    of directories costs seconds of a busy machine's disk, milliseconds there."""
+    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        yield tmp_path
+        return
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="wmo-trio-test-") as scratch:
+        yield Path(scratch)
+
+
+def test_remove_tree_goes_any_depth_and_never_through_a_link(memory_path: Path) -> None:
+    """3,000 levels (Python's own rmtree and walk recurse once per level: RecursionError),
+    with links out of the tree, a FIFO and directories mode 000 (as overlayfs leaves its
+    work directory) on the way: the tree goes, what its links name stays."""
+    outside = memory_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("host")
+    tree = memory_path / "tree"
+    tree.mkdir()
+    directory = os.open(tree, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for level in range(3000):
+            if level % 100 == 0:
+                os.symlink(str(outside), "out", dir_fd=directory)
+                os.symlink(str(outside / "keep"), "file", dir_fd=directory)
+                with open(os.open("data", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=directory),
+                          "wb") as data:
+                    data.write(b"x" * 10)
+            os.mkdir("d", dir_fd=directory)
+            if level == 1500:
+                os.mkfifo("fifo", dir_fd=directory)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=directory)
+            if level % 500 == 0:
+                os.chmod(f"/proc/self/fd/{directory}", 0)
+            os.close(directory)
+            directory = child
+    finally:
+        os.close(directory)
+
+    assert tree_size(tree) >= 30 * 10
+    remove_tree(tree)
+
+    assert not tree.exists()
+    assert sorted(path.name for path in outside.iterdir()) == ["keep"]
+    assert (outside / "keep").read_text() == "host"
+
+
+def test_remove_tree_removes_a_link_and_leaves_its_target(tmp_path: Path) -> None:
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "keep").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    remove_tree(tmp_path / "link")
+    remove_tree(tmp_path / "missing")  # nothing there: nothing to do
+    assert not os.path.lexists(tmp_path / "link")
+    assert (tmp_path / "target" / "keep").read_text() == "x"
+
+
 def test_the_kernels_own_filesystems_are_named(tmp_path: Path) -> None:
     for path, name in (("/proc", "proc"), ("/proc/self", "proc"), (tmp_path, None)):
         fd = os.open(path, os.O_PATH)
@@ -324,6 +385,35 @@ def test_long_nested_names_stay_beneath_the_target(tmp_path: Path) -> None:
     assert not (tmp_path / "escaped").exists() and not (tmp_path / "jail" / "escaped").exists()
     assert any("longer than" in why for _, why in outcome.left_out)
     with pytest.raises(TransferIncomplete, match="longer than 2048 bytes"):
+        outcome.check()
+
+
+def test_a_tree_deeper_than_harbor_can_walk_is_cut_at_256_levels_by_name(
+        memory_path: Path) -> None:
+    """Harbor's own tools walk a trial's directory recursively (`harbor jobs resume`
+    removes it with shutil.rmtree): what lies more than 256 directories down stays in the
+    trial, named, and the rest arrives."""
+    logs = memory_path / "root" / "logs"
+    logs.mkdir(parents=True)
+    directory_fd = os.open(logs, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(300):
+            os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=directory_fd))
+            os.mkdir("d", dir_fd=directory_fd)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=directory_fd)
+            os.close(directory_fd)
+            directory_fd = child
+    finally:
+        os.close(directory_fd)
+    target = memory_path / "out"
+
+    outcome = _download(memory_path / "root", "/logs", target)
+
+    assert outcome.files == 257  # the file of each level down to the 256th directory
+    assert [path for path, _ in outcome.left_out] == [("d/" * 257)[:80] + "..."]
+    deepest = target.joinpath(*["d"] * 256)
+    assert (deepest / "f").is_file() and not (deepest / "d").exists()
+    with pytest.raises(TransferIncomplete, match="more than 256 directories deep"):
         outcome.check()
 
 

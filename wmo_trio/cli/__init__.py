@@ -396,14 +396,26 @@ def sandbox_prune(
     older_than_days: Annotated[float | None, typer.Option(
         "--older-than-days", help="Only images last used this many days ago or more.")] = None,
 ) -> None:
-    """Remove built images no trial is using (they are rebuilt when next needed)."""
+    """Remove built images and host layers no trial or build is using (they are made
+    again when next needed); what a running trial or build holds is kept and named."""
     from wmo_trio.sandbox import ImageCache, default_cache_dir
 
     cache = ImageCache(cache_dir or default_cache_dir())
     older = None if older_than_days is None else older_than_days * 86400
-    removed = cache.prune(older) if cache.root.exists() else []
-    freed = sum(image.size_bytes for image in removed)
-    console.print(f"removed {len(removed)} image(s), {freed / 2**20:.1f} MiB", highlight=False)
+    if not cache.root.exists():
+        console.print("removed 0 image(s), 0.0 MiB", highlight=False)
+        return
+    pruned = cache.prune(older)
+    freed = sum(image.size_bytes for image in pruned.removed)
+    console.print(f"removed {len(pruned.removed)} image(s), {freed / 2**20:.1f} MiB",
+                  highlight=False)
+    # One line each, however long the path: a script may read them.
+    for image in pruned.images_in_use:
+        console.print(f"kept image {image.key} ({image.task}): a trial or build uses it",
+                      highlight=False, soft_wrap=True)
+    for layer in pruned.layers_in_use:
+        console.print(f"kept host layer {layer}: a trial or build uses it", highlight=False,
+                      soft_wrap=True)
 
 
 def main() -> None:

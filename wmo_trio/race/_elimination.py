@@ -3,14 +3,19 @@
 Two families of hypotheses (docs/race.md, "The method"):
 
 - a race (no baseline): for each candidate j, "j is among the best"; its e-process bets on
-  D = X_c - X_j, c the leader among the other running candidates when the round began.
-  Rejected: j is worse than some candidate, and stops.
+  D = X_c - X_j, c the leader among the other running candidates over the tasks before
+  this one (the tied leaders' mean on a tie). Rejected: j is worse than some candidate,
+  and stops at the end of the round.
 - against a baseline: for each other candidate j, "j is not better than the baseline"
   (bets on X_j - X_base) and "j is not worse" (bets on X_base - X_j). Either rejected:
   j is shown better or worse, and stops.
 
 Scores are per-task means in [0, 1]; a task is observed by every running candidate (the
-caller runs them all on it). Pure numpy: `Elimination` holds one row per race.
+caller runs them all on it). Everything a stake or a comparator reads comes from the tasks
+before the one it bets on, in the race's task order, whatever round they ran in; the
+closure is looked at after every task (Ville's inequality holds at every time), and a
+hypothesis it rejects stops betting at once, its candidate at the end of the round.
+Pure numpy: `Elimination` holds one row per race.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from wmo_trio.race._sequential import (
     Ints,
     closed_rejections,
     comparators,
-    kelly_bets,
+    stakes,
 )
 
 
@@ -62,8 +67,6 @@ class Elimination:
         self.pair_total: Floats = np.zeros((races, candidates, candidates))
         self.pair_squares: Floats = np.zeros((races, candidates, candidates))
         self.verdicts: Ints = np.zeros(shape, dtype=np.int64)
-        # The candidate each one was shown worse than (a race), or -1.
-        self.beaten_by: Ints = np.full(shape, -1, dtype=np.int64)
         if baseline is None:
             self.subjects: Ints = np.arange(candidates, dtype=np.int64)
         else:
@@ -71,64 +74,72 @@ class Elimination:
             self.subjects = np.concatenate([others, others])  # "not better", then "not worse"
         self.evidence = Evidence.start((races, len(self.subjects)))
         self.rejected: Bools = np.zeros((races, len(self.subjects)), dtype=bool)
-        self.against: Ints = np.zeros((races, len(self.subjects)), dtype=np.int64)
         self._stop_finished()
-        self.begin_round()
 
     @property
     def hypotheses(self) -> int:
         return len(self.subjects)
 
-    def begin_round(self) -> None:
-        """Fix each hypothesis's comparator for the coming round from the rounds before it
-        (predictable: the choice cannot see the round's own scores)."""
+    def _against(self) -> Floats:
+        """Each hypothesis's comparator as weights over the candidates, `[race, h, c]`, from
+        the tasks seen so far (predictable: it cannot see the task it bets on)."""
         if self.baseline is None:
-            self.against = comparators(self.sums, self.running)
-        else:
-            self.against = np.full(self.evidence.wealth.shape, self.baseline, dtype=np.int64)
+            return comparators(self.sums, self.running)
+        weights = np.zeros((*self.evidence.wealth.shape, self.count))
+        weights[..., self.baseline] = self.running[:, np.newaxis, self.baseline]
+        return weights
 
     def observe(self, scores: npt.ArrayLike) -> None:
         """One task's scores, `scores[race, candidate]` in [0, 1] (read only where the
-        candidate is running)."""
+        candidate is running), then the closure's rejections as they stand after it."""
         x = np.where(self.running, np.asarray(scores, dtype=np.float64), 0.0)
+        against = self._against()
         subject = x[:, self.subjects]
-        other = np.take_along_axis(x, self.against, axis=-1)
-        if self.baseline is None:
-            differences = other - subject
-        else:
-            half = len(self.subjects) // 2
-            differences = subject - other
-            differences[:, half:] *= -1.0
+        other = np.einsum("rhc,rc->rh", against, x)
+        differences = other - subject
+        if self.baseline is not None:  # "not better" bets on X_j - X_base; "not worse" on the other
+            differences[:, : len(self.subjects) // 2] *= -1.0
         live = self.running[:, self.subjects] & ~self.rejected
-        live &= np.take_along_axis(self.running, self.against, axis=-1)
-        self.evidence.observe(differences, self._bets(), live)
+        against *= live[..., np.newaxis]  # a rejected hypothesis bets no more: not priced
+        self.evidence.observe(differences, self._bets(against), live)
         both = self.running[:, :, np.newaxis] & self.running[:, np.newaxis, :]
-        step = x[:, :, np.newaxis] - x[:, np.newaxis, :]
-        self.pair_total = np.where(both, self.pair_total + step, self.pair_total)
-        self.pair_squares = np.where(both, self.pair_squares + step * step, self.pair_squares)
+        step = (x[:, :, np.newaxis] - x[:, np.newaxis, :]) * both
+        self.pair_total += step
+        self.pair_squares += step * step
         self.sums = np.where(self.running, self.sums + x, self.sums)
         self.tasks = np.where(self.running, self.tasks + 1, self.tasks)
+        self.rejected |= self._rejections()
 
-    def _bets(self) -> Floats:
-        """Each hypothesis's stake from its pair's differences so far, signed as the
-        hypothesis bets (on the comparator, or on or against the baseline)."""
-        rows = np.arange(self.running.shape[0])[:, np.newaxis]
-        subject = self.subjects[np.newaxis, :]
-        if self.baseline is None:
-            total = self.pair_total[rows, self.against, subject]
-        else:
-            half = len(self.subjects) // 2
-            total = self.pair_total[rows, subject, self.against]
-            total[:, half:] *= -1.0
-        return kelly_bets(total, self.pair_squares[rows, self.against, subject])
+    def _rejections(self) -> Bools:
+        """What the closure of the family rejects now (docs/race.md, "The multiplicity").
+        Only races where some wealth has reached 1 / alpha are sorted: the closure rejects
+        nothing whose own wealth (the set of it alone) is below."""
+        wealth = self.evidence.wealth
+        result: Bools = np.zeros(wealth.shape, dtype=bool)
+        rows = np.flatnonzero((wealth >= 1.0 / self.alpha).any(axis=-1))
+        result[rows] = closed_rejections(wealth[rows], self.alpha)
+        return result
+
+    def _bets(self, against: Floats) -> Floats:
+        """Each hypothesis's stake: its comparators' weighted stakes, each from the pair's
+        history (`stakes`), signed as the hypothesis bets (on the comparator, or on or
+        against the baseline). Only the pairs with a weight are priced; a hypothesis
+        without one stakes 0."""
+        race, h, c = np.nonzero(against)
+        j = self.subjects[h]
+        total = self.pair_total[race, c, j]
+        if self.baseline is not None:
+            total = np.where(h < len(self.subjects) // 2, -total, total)
+        result: Floats = np.zeros(against.shape[:-1])
+        np.add.at(result, (race, h),
+                  against[race, h, c] * stakes(total, self.pair_squares[race, c, j]))
+        return result
 
     def end_round(self) -> Bools:
-        """Reject what the closure rejects now, stop those candidates, and return which
+        """Stop the candidates whose hypotheses the closure has rejected, and return which
         candidates stopped in this round (`[race, candidate]`)."""
-        newly = closed_rejections(self.evidence.wealth, self.alpha) & ~self.rejected
-        self.rejected |= newly
         stopping = np.zeros_like(self.running)
-        rows, hyps = np.nonzero(newly)
+        rows, hyps = np.nonzero(self.rejected)
         for row, h in zip(rows.tolist(), hyps.tolist(), strict=True):
             j = int(self.subjects[h])
             if not self.running[row, j]:
@@ -136,13 +147,11 @@ class Elimination:
             stopping[row, j] = True
             if self.baseline is None:
                 self.verdicts[row, j] = Verdict.WORSE
-                self.beaten_by[row, j] = self.against[row, h]
             else:
                 self.verdicts[row, j] = (Verdict.BETTER if h < len(self.subjects) // 2
                                          else Verdict.WORSE)
         self.running &= ~stopping
         stopping |= self._stop_finished()
-        self.begin_round()
         return stopping
 
     def _stop_finished(self) -> Bools:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from wmo_trio.harbor._trials import TrialRunner, TrialWatcher, run_trials_here
-from wmo_trio.race._ledger import Attempt, RaceLedger, default_batch, task_order
+from wmo_trio.race._ledger import Attempt, RaceError, RaceLedger, default_batch, task_order
 from wmo_trio.race._report import RACE_FILENAME, RaceReport
 
 AGENT_TIMEOUT = "AgentTimeoutError"
@@ -74,7 +74,7 @@ async def run_race(race: HarborRace, *, runner: TrialRunner = run_trials_here,
     from wmo_trio.engine import run_asyncio
 
     progress = progress or RaceProgress()
-    config = race.config
+    config = _documents_inline(race)
     for agent in config.agents:
         AgentFactory.run_preflight(agent, skip_credential_checks=config.skip_credential_checks)
     plan = await run_asyncio(JobPlan.from_config, config)
@@ -123,6 +123,30 @@ async def run_race(race: HarborRace, *, runner: TrialRunner = run_trials_here,
     report = ledger.report()
     job.write(report, finished=True)
     return report
+
+
+def _documents_inline(race: HarborRace) -> Any:
+    """The race's job configuration with each candidate's document given inline (its JSON
+    fields in the agent's `harness` argument), read once now. A document passed by path is
+    read again by every trial's agent: a file edited during the race would change the
+    candidate under way (and the agent, finding the doc_hash pinned at preflight no longer
+    matching, would fail its trial's construction, and with it the round). Raises
+    `RaceError` when a file no longer holds the document the race was given."""
+    from wmo_trio.harness import HarnessError, harness_from
+
+    config = race.config.model_copy(deep=True)
+    for agent, key, name in zip(config.agents, race.keys, race.names, strict=True):
+        try:
+            doc = harness_from((agent.kwargs or {}).get("harness"))
+        except HarnessError as error:
+            raise RaceError(f"candidate {name}: {error}") from None
+        if doc.doc_hash != key:
+            raise RaceError(f"candidate {name}: its document is now {doc.doc_hash}, not the "
+                            f"{key} the race was given (the file changed); start the race "
+                            "again")
+        agent.kwargs = {**agent.kwargs, "harness": doc.model_dump(mode="json",
+                                                                  exclude_none=True)}
+    return config
 
 
 def _index(items: Sequence[Any], item: Any) -> int:

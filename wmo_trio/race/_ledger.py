@@ -49,6 +49,7 @@ class _Candidate:
     trials: int = 0
     errors: int = 0
     unscored: int = 0
+    failures: dict[str, int] = field(default_factory=dict)  # exception type -> trials
     stopped_round: int | None = None
     behind: str | None = None
     scores: dict[str, float] = field(default_factory=dict)  # task -> mean of attempts
@@ -149,6 +150,10 @@ class RaceLedger:
                 candidate.trials += len(done)
                 candidate.errors += sum(a.error is not None for a in done)
                 candidate.unscored += sum(a.reward is None for a in done)
+                for attempt in done:
+                    if attempt.error is not None:
+                        candidate.failures[attempt.error] = (
+                            candidate.failures.get(attempt.error, 0) + 1)
                 self.trials += len(done)
         for task in played.tasks:
             every = [a for key in played.candidates for a in attempts.get((key, task), ())]
@@ -227,7 +232,8 @@ class RaceLedger:
         scores = candidate.scores
         return CandidateStanding(
             key=key, name=candidate.name, status=self._status(key), tasks=len(scores),
-            trials=candidate.trials, errors=candidate.errors, unscored=candidate.unscored,
+            trials=candidate.trials, errors=candidate.errors,
+            failures=dict(sorted(candidate.failures.items())), unscored=candidate.unscored,
             mean_reward=sum(scores.values()) / len(scores) if scores else None,
             difference=difference, ci_low=low, ci_high=high,
             evidence=float(evidence.max()) if len(evidence) else 1.0,

@@ -39,6 +39,10 @@ class CandidateStanding(_Model):
     tasks: int = Field(description="tasks it was scored on")
     trials: int = Field(description="trials it ran, left-out tasks included")
     errors: int = Field(description="trials with an exception other than the agent's timeout")
+    failures: dict[str, int] = Field(
+        default_factory=dict, description="those trials by the exception's type (harbor's "
+        "exception_info, e.g. AgentSetupTimeoutError for a trial that failed before its "
+        "agent ran); each without a reward counts 0, as `unscored` says")
     unscored: int = Field(description="trials without a reward, counted as 0 (a task with no "
                                       "reward for any candidate is left out instead)")
     mean_reward: float | None = Field(description="over the tasks it was scored on")

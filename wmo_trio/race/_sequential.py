@@ -7,10 +7,11 @@ leading batch axis (one row per race), so a thousand simulated races run as one.
 The method, its assumptions and its references are in docs/race.md ("The method"). In
 short: each hypothesis h ("candidate b is not worse than candidate a") has a test
 supermartingale W_h = prod(1 + lambda_t * D_t) over the paired per-task differences
-D_t = X_a - X_b in [-1, 1], with a predictable bet lambda_t in [0, BET_CAP]; the closure
-of the family under the arithmetic mean rejects h once every average of W over a set of
-hypotheses holding h reaches 1 / alpha, which keeps the chance of any false rejection, at
-any time of the race however often it is looked at, at most alpha.
+D_t = X_a - X_b in [-1, 1], with a predictable stake lambda_t in [0, BET_CAP] (the
+universal portfolio's stake for the pair, `stakes`); the closure of the family under the
+arithmetic mean rejects h once every average of W over a set of hypotheses holding h
+reaches 1 / alpha, which keeps the chance of any false rejection, at any time of the race
+however often it is looked at, at most alpha.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ Bools = npt.NDArray[np.bool_]
 Ints = npt.NDArray[np.int64]
 
 # The most of its wealth a hypothesis stakes on one task: 1 + lambda * D >= 1 - BET_CAP > 0
-# for every D in [-1, 1], so the wealth never reaches zero on one bad task.
-BET_CAP = 0.5
-# The bet's prior: this many pseudo-tasks of squared difference 1 in the denominator, so
-# the first tasks' bets stay small (aGRAPA's plug-in is wild on two or three tasks).
-PRIOR_TASKS = 2.0
+# for every D in [-1, 1], so one task never takes more than three quarters of it.
+BET_CAP = 0.75
+# The constant stakes the universal portfolio mixes, equally weighted: the midpoints of
+# STAKE_GRID equal cells of [0, BET_CAP].
+STAKE_GRID = 16
+_STAKES = (np.arange(STAKE_GRID) + 0.5) / STAKE_GRID * BET_CAP
+_LOG_WIN, _LOG_LOSS = np.log1p(_STAKES), np.log1p(-_STAKES)
 
 
 def closed_rejections(wealth: npt.ArrayLike, alpha: float) -> Bools:
@@ -60,14 +63,26 @@ def closed_rejections(wealth: npt.ArrayLike, alpha: float) -> Bools:
     return result
 
 
-def kelly_bets(total: npt.ArrayLike, squares: npt.ArrayLike) -> Floats:
-    """The stake on the next difference from the sums of the differences seen before it
-    (predictable): the approximate Kelly fraction mean(D) / mean(D^2) (aGRAPA,
-    Waudby-Smith and Ramdas 2023, section 5), with PRIOR_TASKS pseudo-tasks of D^2 = 1,
-    never below 0 (a bet against the hypothesis only) nor above BET_CAP."""
-    result: Floats = np.clip(np.asarray(total, dtype=np.float64)
-                             / (np.asarray(squares, dtype=np.float64) + PRIOR_TASKS),
-                             0.0, BET_CAP)
+def stakes(total: npt.ArrayLike, squares: npt.ArrayLike) -> Floats:
+    """The stake on a pair's next difference D = X_a - X_b from the sums of D and D^2 over
+    the tasks both ran before it (predictable): the stake of Cover's universal portfolio
+    over the constant stakes in (0, BET_CAP], i.e. their mean weighted by the wealth each
+    would have won on the pair's history (a uniform prior over the grid `_STAKES`).
+
+    The history enters as the wins and losses it amounts to, n+ - n- = sum(D) and
+    n+ + n- = sum(D^2), and the constant stake l's wealth as (1 + l)^n+ (1 - l)^n-: exact
+    for rewards of 0 or 1 and one attempt (D in {-1, 0, 1}), a summary by the first two
+    moments otherwise. The stake only changes how fast the evidence grows: any stake fixed
+    before the difference is seen keeps the wealth a test supermartingale.
+    """
+    t = np.asarray(total, dtype=np.float64)
+    q = np.asarray(squares, dtype=np.float64)
+    wins, losses = np.maximum((q + t) / 2, 0.0), np.maximum((q - t) / 2, 0.0)
+    weight = np.multiply.outer(wins, _LOG_WIN)
+    weight += np.multiply.outer(losses, _LOG_LOSS)
+    weight -= weight.max(axis=-1, keepdims=True)
+    np.exp(weight, out=weight)
+    result: Floats = (weight @ _STAKES) / weight.sum(axis=-1)
     return result
 
 
@@ -98,19 +113,22 @@ class Evidence:
         self.seen = np.where(on, self.seen + 1, self.seen)
 
 
-def comparators(sums: npt.ArrayLike, running: npt.ArrayLike) -> Ints:
-    """For each candidate, the running candidate it is held against: the leader (the
-    highest total score over the tasks every running candidate has run) other than
-    itself; the leader itself is held against the runner-up. Ties go to the lower index.
-    A candidate with no running other gets itself (its difference is then 0)."""
+def comparators(sums: npt.ArrayLike, running: npt.ArrayLike) -> Floats:
+    """For each candidate j, the weights `[..., j, c]` of the running candidates it is held
+    against: the leader among the others (the highest total score over the tasks every
+    running candidate has run), the leaders' mean when several tie, so the rule does not
+    depend on the order the candidates were given in (ties at the start are the rule, not
+    the exception). The leader itself is held against the runner-up. A candidate with no
+    running other gets no weight (its difference is then 0)."""
     totals = np.where(np.asarray(running, dtype=bool), np.asarray(sums, dtype=np.float64),
                       -np.inf)
     count = totals.shape[-1]
     eye = np.eye(count, dtype=bool)
-    others = np.where(eye, -np.inf, totals[..., np.newaxis, :])  # [..., j, i]: i != j
-    best = np.argmax(others, axis=-1)
-    alone = np.isneginf(np.max(others, axis=-1))
-    result: Ints = np.where(alone, np.arange(count), best).astype(np.int64)
+    others = np.where(eye, -np.inf, totals[..., np.newaxis, :])  # [..., j, c]: c != j
+    top = np.max(others, axis=-1, keepdims=True)
+    # Equal up to the rounding of summed fractions (the means of -k attempts).
+    leaders = (others >= top - 1e-9) & np.isfinite(others)
+    result: Floats = leaders / np.maximum(leaders.sum(axis=-1, keepdims=True), 1)
     return result
 
 

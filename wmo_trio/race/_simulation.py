@@ -9,6 +9,8 @@ is `means[i]` (E Phi(a + s z) = Phi(a / sqrt(1 + s^2))); attempts are independen
 the task, and a task's score is the mean of its `attempts` pass/fail rewards. The tasks
 come in a random order (they are drawn independently), in rounds of `batch` tasks, every
 running candidate on every task of a round: the race's own code (`Elimination`) decides.
+Each race lists the candidates in an order of its own (a seeded shuffle), so no figure
+depends on where the best one stands in the list.
 """
 
 from __future__ import annotations
@@ -66,36 +68,48 @@ def scores(scenario: Scenario, races: int, rng: np.random.Generator) -> Floats:
     return result
 
 
-def simulate(scenario: Scenario, races: int, seed: int) -> Simulated:
-    """`races` seeded races of the scenario, all at once."""
+def simulate(scenario: Scenario, races: int, seed: int, *,
+             rule: type[Elimination] = Elimination, shuffle: bool = True) -> Simulated:
+    """`races` seeded races of the scenario, all at once, decided by `rule` (the race's
+    own, or a variant for a benchmark's comparison). `tasks_run` is per candidate of the
+    scenario (in its order), whatever place each race gave it; `shuffle=False` lists
+    them in the scenario's order in every race."""
     rng = np.random.default_rng(seed)
     data = scores(scenario, races, rng)
     count = len(scenario.means)
-    rule = Elimination(races, count, alpha=scenario.alpha, baseline=scenario.baseline)
+    # place[r, i]: where race r lists candidate i; the baseline keeps its index, since
+    # the rule singles it out by index, not by place.
+    place = np.argsort(rng.random((races, count)), axis=-1)
+    if scenario.baseline is not None or not shuffle:
+        place[:] = np.arange(count)
+    listed = np.empty_like(data)
+    np.put_along_axis(listed, np.broadcast_to(place[:, np.newaxis, :], data.shape), data,
+                      axis=-1)
+    decider = rule(races, count, alpha=scenario.alpha, baseline=scenario.baseline)
     done = 0
-    while done < scenario.tasks and rule.active.any():
+    while done < scenario.tasks and decider.active.any():
         for t in range(done, min(done + scenario.batch, scenario.tasks)):
-            rule.observe(data[:, t, :])
+            decider.observe(listed[:, t, :])
         done = min(done + scenario.batch, scenario.tasks)
-        rule.end_round()
-    rule.finish()
+        decider.end_round()
+    decider.finish()
+    verdicts = np.take_along_axis(decider.verdicts, place, axis=-1)  # in scenario order
+    tasks_run = np.take_along_axis(decider.tasks, place, axis=-1)
     means = np.asarray(scenario.means)
+    worse = verdicts == Verdict.WORSE
     if scenario.baseline is None:
-        best = np.isclose(means, means.max())
-        worse = rule.verdicts == Verdict.WORSE
-        false = (worse & best).any(axis=-1)
+        false = (worse & np.isclose(means, means.max())).any(axis=-1)
         best_dropped = false
     else:
         base = means[scenario.baseline]
-        worse = rule.verdicts == Verdict.WORSE
-        better = rule.verdicts == Verdict.BETTER
+        better = verdicts == Verdict.BETTER
         false_worse = (worse & (means >= base - 1e-12)).any(axis=-1)
         false_better = (better & (means <= base + 1e-12)).any(axis=-1)
         false = false_worse | false_better
         best_dropped = false_worse
-    share = rule.tasks.sum(axis=-1) / (count * scenario.tasks)
+    share = tasks_run.sum(axis=-1) / (count * scenario.tasks)
     return Simulated(false_declaration=false, best_dropped=best_dropped, share=share,
-                     tasks_run=rule.tasks)
+                     tasks_run=tasks_run)
 
 
 def binomial_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:

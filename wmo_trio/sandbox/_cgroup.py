@@ -3,12 +3,10 @@
 
 A trial's cgroup is made beside nothing of anyone else's: a child of the harbor
 process's own cgroup, in every hierarchy that holds the ``cpu``, ``memory`` or ``pids``
-controller, named ``wmo-trio.<owner pid>.<random>``. The ``pids`` one is made for every
-trial, ceiling or not: its child ``services`` holds the image's ``ENTRYPOINT`` and all it
-starts, so what the agent started can be told from the services wherever they went.
-The sandbox's launch script writes its own PID into it before it starts bubblewrap, so
-every process of the sandbox is in it from the first, and the sandbox's cgroup namespace
-makes it the sandbox's root.
+controller its limits need, named ``wmo-trio.<owner pid>.<random>``. The sandbox's launch
+script writes its own PID into it before it starts bubblewrap, so every process of the
+sandbox is in it from the first, and the sandbox's cgroup namespace makes it the
+sandbox's root.
 
 Where that works: as root under cgroup v1 (each controller's hierarchy is writable by
 root), and under cgroup v2 where the controllers are enabled for the children of the
@@ -29,17 +27,13 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-__all__ = ["SERVICES", "HostCgroups", "Limits", "TrialCgroup", "host_cgroups",
-           "remove_stale_cgroups"]
+__all__ = ["HostCgroups", "Limits", "TrialCgroup", "host_cgroups", "remove_stale_cgroups"]
 
 PREFIX = "wmo-trio."
 CPU_PERIOD_US = 100_000
 # The kernel's smallest CFS quota.
 MIN_CPU_QUOTA_US = 1_000
 CONTROLLERS = ("cpu", "memory", "pids")
-# The child cgroup of a trial's that holds its ENTRYPOINT; as the trial's processes see
-# it in /proc/<pid>/cgroup, the trial's own cgroup being their namespace's root.
-SERVICES = "services"
 # How long a stop waits for the kernel to empty a cgroup whose processes were killed;
 # one left busy is removed by a later start.
 REMOVE_PATIENCE_SEC = 2.0
@@ -91,10 +85,8 @@ class HostCgroups:
         return any(controller in h.controllers for h in self.hierarchies)
 
     def for_limits(self, limits: Limits) -> tuple[Hierarchy, ...]:
-        """The hierarchies a trial's cgroup goes in: those of its limits, and the one
-        holding ``pids`` whatever they are (see :attr:`TrialCgroup.services`)."""
-        wanted = {*limits.wanted, "pids"}
-        return tuple(h for h in self.hierarchies if wanted & h.controllers)
+        """The hierarchies a trial's cgroup goes in: those of its limits."""
+        return tuple(h for h in self.hierarchies if set(limits.wanted) & h.controllers)
 
 
 @cache
@@ -214,15 +206,12 @@ class TrialCgroup:
     """One trial's cgroups (one per hierarchy used), with its limits written."""
 
     directories: tuple[Path, ...]
-    # The child of the trial's cgroup that holds its ENTRYPOINT (in the hierarchy with
-    # ``pids``: every trial has a cgroup there); None where no hierarchy has ``pids``.
-    services: Path | None = None
     memory: Path | None = None  # the trial's cgroup in the hierarchy with ``memory``
 
     @classmethod
     def create(cls, limits: Limits) -> TrialCgroup | None:
-        """Make the cgroups ``limits`` need (and the ``pids`` one) and write the
-        limits; None when there is nowhere to do it."""
+        """Make the cgroups ``limits`` need and write the limits; None when there is
+        nothing to limit or nowhere to do it."""
         hierarchies = host_cgroups().for_limits(limits)
         if not hierarchies:
             return None
@@ -236,9 +225,6 @@ class TrialCgroup:
                 _write_limits(directory, hierarchy, limits)
                 if "memory" in hierarchy.controllers:
                     made.memory = directory
-                if "pids" in hierarchy.controllers:
-                    (directory / SERVICES).mkdir()
-                    made.services = directory / SERVICES
         except BaseException:
             made.remove(patience=0.0)
             raise
@@ -266,8 +252,7 @@ class TrialCgroup:
         """Remove the cgroups once the kernel has emptied them (their processes
         were killed); True when all are gone."""
         deadline = time.monotonic() + patience
-        # A child before its parent: a cgroup with children cannot be removed.
-        left = [*([self.services] if self.services else []), *self.directories]
+        left = list(self.directories)
         while left:
             for directory in list(left):
                 try:
@@ -323,8 +308,11 @@ def remove_stale_cgroups(host: HostCgroups | None = None) -> list[Path]:
                 continue
             if _alive(owner):
                 continue
+            # Children first (earlier versions made one, ``services``), then the cgroup.
             with contextlib.suppress(OSError):
-                (directory / SERVICES).rmdir()
+                for child in directory.iterdir():
+                    if child.is_dir():
+                        child.rmdir()
             with contextlib.suppress(OSError):
                 directory.rmdir()
                 removed.append(directory)

@@ -27,8 +27,9 @@ from harbor.models.trial.paths import EnvironmentPaths
 from harbor.utils.path_filter import filter_paths_by_patterns
 
 from wmo_trio.sandbox import _storage, _transfer
-from wmo_trio.sandbox._cgroup import SERVICES, Limits, host_cgroups, remove_stale_cgroups
+from wmo_trio.sandbox._cgroup import Limits, host_cgroups, remove_stale_cgroups
 from wmo_trio.sandbox._dockerfile import DockerfileError
+from wmo_trio.sandbox._hostfs import remove_tree
 from wmo_trio.sandbox._image import Image, ImageCache, ImageConfig, default_cache_dir
 from wmo_trio.sandbox._namespace import (
     DEFAULT_PATH,
@@ -38,7 +39,6 @@ from wmo_trio.sandbox._namespace import (
     default_state_root,
     missing_tools,
     remove_stale_states,
-    remove_tree,
     unavailable,
 )
 from wmo_trio.sandbox._processes import ChannelClosed, SpawnFailed
@@ -152,6 +152,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         self._started = False  # a sandbox ran, whether or not it still does
         self._said_not_started = False
         self._image: Image | None = None
+        self._host: HostLayers | None = None  # held (leased) from start to stop
         self._config = ImageConfig()
         self._shell = "sh"
         self._entrypoint_task: asyncio.Task[None] | None = None
@@ -288,7 +289,12 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         reason = missing_tools()
         if reason is not None:
             raise unavailable(reason)
-        host = await asyncio.to_thread(self._sweep_and_find_layers)
+        finding = asyncio.ensure_future(asyncio.to_thread(self._sweep_and_find_layers))
+        try:
+            host = await asyncio.shield(finding)
+        except asyncio.CancelledError:  # the thread goes on: its lease is let go after it
+            finding.add_done_callback(_release_found)
+            raise
         image: Image | None = None
         state: StateDir | None = None
         try:
@@ -315,7 +321,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                 network=self._network, hostname=hostname, binds=binds, etc_files=etc,
                 limits=limits, shm_bytes=self._shm_bytes(limits), storage_bytes=storage_bytes,
             )
-            self._image = image
+            self._image, self._host = image, host
             self._started = True
             await self._prepare()
         except BaseException:
@@ -326,7 +332,8 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                 await asyncio.to_thread(state.remove)
             if image is not None:
                 image.release()
-            self._image = None
+            host.release()
+            self._image = self._host = None
             raise
         await self._upload_environment_dir_after_start()
 
@@ -434,23 +441,16 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             log.flush()
 
         sandbox = self._require_sandbox()
-        services = sandbox.cgroup.services if sandbox.cgroup is not None else None
-        join = None
         try:
             with log:
-                if services is not None:
-                    join = os.open(services / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
                 completed = await sandbox.channel.run(
                     argv, env=self._base_env(), cwd=self._config.workdir or "/",
                     user=self._config.user, output_limit=0, callback=write,
-                    stream_limit=ENTRYPOINT_LOG_LIMIT, service=True, join=join,
+                    stream_limit=ENTRYPOINT_LOG_LIMIT,
                 )
                 self.logger.debug("the ENTRYPOINT exited with %d", completed.return_code)
         except Exception as error:  # the trial goes on, as a container whose main process died
             self.logger.warning("the ENTRYPOINT failed: %s", error)
-        finally:
-            if join is not None:
-                os.close(join)
 
     async def stop(self, delete: bool) -> None:
         """End every process of the trial; remove its upper directories unless
@@ -463,7 +463,10 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         """
         sandbox, self._sandbox = self._sandbox, None
         image, self._image = self._image, None
+        host, self._host = self._host, None
         if sandbox is None:
+            if host is not None:
+                host.release()
             return
         try:
             await sandbox.stop(linger=delete)
@@ -484,6 +487,8 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                 await asyncio.to_thread(sandbox.finish)
             if image is not None:
                 image.release()
+            if host is not None:
+                host.release()
 
     def _require_sandbox(self) -> Sandbox:
         if self._sandbox is None:
@@ -542,38 +547,6 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             stderr=completed.stderr.decode(errors="replace") if completed.stderr else None,
             return_code=completed.return_code,
         )
-
-    # ------------------------------------------------------------------ agent phase
-
-    async def prepare_logs_for_host(self) -> None:
-        """Harbor reads the agent's logs where they are mounted: the agent is done."""
-        await self._end_agent_processes()
-
-    async def _end_agent_processes(self) -> None:
-        """End every process of the trial but the ENTRYPOINT's services (and the
-        helper), before the verifier runs: nothing the agent started may change what
-        it checks.
-
-        Harbor 0.25 says nothing to an environment when an agent phase ends; the first
-        thing it does after one, in every kind of trial and whether the agent returned,
-        failed or timed out, is to read the agent's logs (``Trial._sync_agent_output``:
-        ``download_dir`` of ``/logs/agent``, or ``prepare_logs_for_host`` where they
-        are mounted), before it uploads the logs back, collects artifacts or starts a
-        verifier (tests/test_sandbox_agent_end.py holds harbor to that order). What the
-        agent started is every process outside the services' cgroup, wherever it went;
-        without cgroups, every process the ENTRYPOINT's sessions, ancestry and tag do
-        not claim.
-        """
-        sandbox = self._sandbox
-        if sandbox is None or sandbox.stopped:
-            return
-        services = sandbox.cgroup is not None and sandbox.cgroup.services is not None
-        try:
-            ended = await sandbox.channel.clear(f"/{SERVICES}" if services else None)
-        except ChannelClosed as error:
-            raise ChannelClosed(await sandbox.death()) from error
-        if ended:
-            self.logger.debug("ended %d process(es) the agent left running", ended)
 
     # ------------------------------------------------------------------ files
 
@@ -640,8 +613,6 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                         **options: Any) -> None:
         if self._never_started():  # nothing to copy, and nothing raised
             return
-        if PurePosixPath(source_dir) == EnvironmentPaths.agent_dir:
-            await self._end_agent_processes()  # the agent phase has ended: see there
         # harbor reads the reward files whole: copied apart, bounded (see _reward).
         rewards = dict(options) if PurePosixPath(source_dir) == EnvironmentPaths.verifier_dir \
             else None
@@ -658,6 +629,11 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         if warning is not None:
             self.logger.warning(warning)
         outcome.check()
+
+
+def _release_found(finding: asyncio.Future[HostLayers]) -> None:
+    if not finding.cancelled() and finding.exception() is None:
+        finding.result().release()
 
 
 def _positive(name: str, value: float | str | None, default: float) -> float:

@@ -17,12 +17,8 @@ and ``grp`` only once a command runs as another user).
 Requests (host to helper):
 
 - ``{"op": "spawn", "id": N, "argv": [...], "env": {...}, "cwd": "/x", "user": spec,
-  "tag": "...", "service": bool}`` with three descriptors: stdin, stdout, stderr, and
-  for a service a fourth: a cgroup's ``cgroup.procs``, which the command joins first.
+  "tag": "..."}`` with three descriptors: stdin, stdout, stderr.
 - ``{"op": "kill", "id": N}``: end every process the command started.
-- ``{"op": "clear", "id": N, "cgroup": "/services" or null}``: end every process but
-  this one and the services' (those in that cgroup, else those the service commands
-  started); replies ``{"id": N, "cleared": count}``.
 - ``{"op": "end_others", "id": N}``: end every process of the sandbox but this one,
   however it detached, and reap them; replies ``{"id": N, "ended": 1}`` once none is
   left (a build's sandbox between two steps).
@@ -121,8 +117,6 @@ def spawn(request: dict[str, Any], fds: list[int]) -> int:
     env.setdefault("HOME", home)
     env[TAG_VARIABLE] = request["tag"]
     argv = request["argv"]
-    join = fds[3] if len(fds) > 3 else None
-    fds = fds[:3]
     report_read, report_write = os.pipe()
     try:
         pid = os.fork()
@@ -134,8 +128,6 @@ def spawn(request: dict[str, Any], fds: list[int]) -> int:
     if pid == 0:  # the child: nothing here may return
         try:
             os.close(report_read)
-            if join is not None:
-                os.write(join, b"0")
             _raise_oom_score()
             os.setsid()
             for target, source in enumerate(fds):
@@ -219,32 +211,6 @@ def processes_of(leader: int, tag: str) -> set[int]:
             if parent == current and pid not in found:
                 found.add(pid)
                 pending.append(pid)
-    return found
-
-
-def in_cgroup(pid: int, cgroup: str) -> bool:
-    """Whether the process is in ``cgroup`` or below it (as this namespace names it) in
-    some hierarchy: no process of the sandbox can change its cgroups."""
-    try:
-        with open(f"/proc/{pid}/cgroup", "rb") as handle:
-            lines = handle.read().decode(errors="replace").splitlines()
-    except OSError:
-        return False
-    for line in lines:
-        path = line.split(":", 2)[-1]
-        if path == cgroup or path.startswith(cgroup + "/"):
-            return True
-    return False
-
-
-def live_processes() -> set[int]:
-    """Every live process of the sandbox but this one."""
-    found = set()
-    for name in os.listdir("/proc"):
-        if name.isdigit() and name != "1":
-            fields = _stat_fields(int(name))
-            if fields is not None and fields[0] not in ("Z", "X"):
-                found.add(int(name))
     return found
 
 
@@ -333,7 +299,6 @@ class Helper:
     def __init__(self, channel: socket.socket) -> None:
         self.channel = channel
         self.running: dict[int, tuple[int, str]] = {}  # pid -> (request id, tag)
-        self.services: dict[int, str] = {}  # pid -> tag, of the service commands running
 
     def send(self, message: dict[str, Any]) -> None:
         self.channel.sendall(to_json(message))
@@ -347,16 +312,11 @@ class Helper:
                     self.send({"id": request["id"], "error": str(error), "code": error.code})
                 else:
                     self.running[pid] = (request["id"], request["tag"])
-                    if request.get("service"):
-                        self.services[pid] = request["tag"]
                     self.send({"id": request["id"], "pid": pid})
             elif request["op"] == "kill":
                 for pid, (request_id, tag) in list(self.running.items()):
                     if request_id == request["id"]:
                         kill_tree(pid, tag)
-            elif request["op"] == "clear":
-                cleared = kill_all(lambda: self.not_services(request.get("cgroup")))
-                self.send({"id": request["id"], "cleared": cleared})
             elif request["op"] == "end_others":
                 self.end_others()
                 self.send({"id": request["id"], "ended": 1})
@@ -366,17 +326,6 @@ class Helper:
         finally:
             for fd in fds:
                 os.close(fd)
-
-    def not_services(self, cgroup: str | None) -> set[int]:
-        """Every live process but this one and the services': those in ``cgroup``
-        when one is given, else those the service commands started (by session, group,
-        ancestry and tag: a service that left all four is not told apart)."""
-        kept: set[int] = set()
-        if cgroup is None:
-            for pid, tag in self.services.items():
-                kept |= processes_of(pid, tag) | {pid}
-        return {pid for pid in live_processes() - kept
-                if cgroup is None or not in_cgroup(pid, cgroup)}
 
     def end_others(self) -> None:
         """SIGKILL every other process of the sandbox and reap them all (the commands
@@ -409,7 +358,6 @@ class Helper:
                 break
             if pid == 0:
                 break
-            self.services.pop(pid, None)
             if pid in self.running:
                 request_id, _ = self.running.pop(pid)
                 exited.append({"id": request_id, "exit": os.waitstatus_to_exitcode(status)})

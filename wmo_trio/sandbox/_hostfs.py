@@ -17,20 +17,27 @@ root. Every host access to them goes through this module:
 - :func:`read_beneath` and :func:`read_tail` read such a file with a size bound;
 - :func:`replace_beneath` writes a file under a temporary name and renames it into
   place, so a link already there is replaced, never written through;
-- :func:`link_stays_inside` is the rule for links recreated on the host.
+- :func:`link_stays_inside` is the rule for links recreated on the host;
+- :func:`remove_tree` and :func:`tree_size` walk a whole tree without recursion
+  (Python's ``shutil.rmtree`` and ``os.walk`` recurse once per level: a tree a few
+  thousand levels deep raises ``RecursionError``), and :func:`remove_or_set_aside` is
+  the rule for a tree that will not go: moved out of every later trial's way.
 
 These calls block; callers on an event loop run them in a thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import logging
 import os
 import posixpath
 import stat
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
@@ -43,8 +50,11 @@ __all__ = [
     "read_beneath",
     "read_tail",
     "remove_beneath",
+    "remove_or_set_aside",
+    "remove_tree",
     "replace_beneath",
     "safe_mode",
+    "tree_size",
 ]
 
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -297,3 +307,158 @@ def link_stays_inside(link: str, target: str) -> bool:
         else:
             climbing = False
     return True
+
+
+# ---------------------------------------------------------------------- whole trees
+
+
+@dataclass
+class _Level:
+    """A directory an iterative walk is inside: its name in its parent, its identity,
+    and the subdirectories it has yet to enter (None until it is listed)."""
+
+    name: str
+    identity: tuple[int, int]
+    pending: list[str] | None = None
+
+
+def _walk_tree(top: Path, entry: Callable[[int, str, os.stat_result], bool],
+               leave: Callable[[int, str], None]) -> None:
+    """Visit the tree below the directory ``top`` depth first, without recursion and
+    without following a link: ``entry(dir_fd, name, info)`` for each entry, which
+    returns whether it is done with it; a directory of the same filesystem it is not
+    done with is entered (never a link, nor another filesystem's directory), and
+    ``leave(parent_fd, name)`` is called once all below it was visited.
+
+    However deep the tree, two descriptors are open at a time: the walk climbs back
+    through ``..``, checking that it reaches the directory it came from (nothing may
+    move the tree meanwhile; an ``OSError`` says if something did). A directory's
+    subdirectory names are kept while below it, so a walk holds as many names as the
+    directories it has yet to enter."""
+    fd = os.open(top, _WALK_FLAGS)
+    try:
+        info = os.fstat(fd)
+        device = info.st_dev
+        levels = [_Level("", (info.st_dev, info.st_ino))]
+        while levels:
+            level = levels[-1]
+            if level.pending is None:
+                level.pending = []
+                with os.scandir(fd) as listing:
+                    for item in listing:
+                        found = item.stat(follow_symlinks=False)
+                        if (not entry(fd, item.name, found) and stat.S_ISDIR(found.st_mode)
+                                and found.st_dev == device):
+                            level.pending.append(item.name)
+            if level.pending:
+                name = level.pending.pop()
+                child = _open_child(fd, name)
+                found = os.fstat(child)
+                os.close(fd)
+                fd = child
+                levels.append(_Level(name, (found.st_dev, found.st_ino)))
+                continue
+            levels.pop()
+            if not levels:
+                return
+            parent = os.open("..", _WALK_FLAGS, dir_fd=fd)
+            found = os.fstat(parent)
+            os.close(fd)
+            fd = parent
+            if (found.st_dev, found.st_ino) != levels[-1].identity:
+                raise OSError(errno.ESTALE, "the tree moved while it was walked", str(top))
+            leave(fd, level.name)
+    finally:
+        os.close(fd)
+
+
+_WALK_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_child(dir_fd: int, name: str) -> int:
+    """A subdirectory, never a link; one its mode closes (overlayfs leaves mode-000
+    directories in its work directory) is opened once its owner may enter it."""
+    try:
+        return os.open(name, _WALK_FLAGS, dir_fd=dir_fd)
+    except PermissionError:
+        path_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            if not stat.S_ISDIR(os.fstat(path_fd).st_mode):
+                raise
+            os.chmod(f"/proc/self/fd/{path_fd}", 0o700)
+        finally:
+            os.close(path_fd)
+        return os.open(name, _WALK_FLAGS, dir_fd=dir_fd)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove ``path`` and all below it, however deep, following no link (a link is
+    removed, never its target) and entering no other filesystem (a mount point
+    below it makes this fail). Nothing if it is missing; an ``OSError`` if something
+    stays."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(info.st_mode):
+        path.unlink()
+        return
+
+    def entry(dir_fd: int, name: str, found: os.stat_result) -> bool:
+        try:
+            if not stat.S_ISDIR(found.st_mode):
+                os.unlink(name, dir_fd=dir_fd)
+            else:  # an empty directory needs no visit (most of a tree's are)
+                os.rmdir(name, dir_fd=dir_fd)
+        except FileNotFoundError:  # gone already
+            pass
+        except OSError as error:
+            if error.errno != errno.ENOTEMPTY:
+                raise  # another filesystem's directory (EBUSY), say
+            return False
+        return True
+
+    def leave(dir_fd: int, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(name, dir_fd=dir_fd)
+
+    _walk_tree(path, entry, leave)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(path)
+
+
+def tree_size(path: Path) -> int:
+    """The bytes of everything below the directory ``path`` (as ``lstat`` counts them),
+    however deep, following no link."""
+    total = 0
+
+    def entry(dir_fd: int, name: str, found: os.stat_result) -> bool:
+        nonlocal total
+        total += found.st_size
+        return False
+
+    _walk_tree(path, entry, lambda dir_fd, name: None)
+    return total
+
+
+QUARANTINE = ".quarantine"
+
+
+def remove_or_set_aside(path: Path, logger: logging.Logger) -> Path | None:
+    """Remove ``path`` (:func:`remove_tree`); when some of it cannot go, move what is
+    left out of the way, to ``.quarantine/`` beside it, and say so once in the log, so
+    that nothing a trial or a build left there blocks a later one. Where it was set
+    aside, or None once it is gone."""
+    try:
+        remove_tree(path)
+        return None
+    except OSError as error:
+        reason = error
+    aside_dir = path.parent / QUARANTINE
+    aside_dir.mkdir(mode=0o700, exist_ok=True)
+    aside = aside_dir / f"{path.name}.{uuid.uuid4().hex[:8]}"
+    os.rename(path, aside)
+    logger.warning("could not remove %s (%s); set it aside as %s, which no later trial "
+                   "or build touches: remove it by hand once whatever holds it is gone",
+                   path, reason, aside)
+    return aside

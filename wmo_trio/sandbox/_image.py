@@ -21,6 +21,7 @@ import glob
 import hashlib
 import io
 import json
+import logging
 import os
 import posixpath
 import re
@@ -43,19 +44,25 @@ from wmo_trio.sandbox._dockerfile import (
     expand,
     read,
 )
-from wmo_trio.sandbox._hostfs import FileTooLarge, read_beneath, remove_beneath
+from wmo_trio.sandbox._hostfs import (
+    FileTooLarge,
+    read_beneath,
+    remove_beneath,
+    remove_or_set_aside,
+    remove_tree,
+    tree_size,
+)
 from wmo_trio.sandbox._namespace import (
     DEFAULT_PATH,
     Sandbox,
     StateDir,
     remove_stale_states,
-    remove_tree,
     same_file,
 )
 from wmo_trio.sandbox._processes import Channel, Completed, SpawnFailed, wait_readable
-from wmo_trio.sandbox._rootfs import HostLayers
+from wmo_trio.sandbox._rootfs import HostLayers, prune_host_layers
 
-__all__ = ["BuildError", "Image", "ImageCache", "ImageConfig", "default_cache_dir"]
+__all__ = ["BuildError", "Image", "ImageCache", "ImageConfig", "Pruned", "default_cache_dir"]
 
 FORMAT_VERSION = 1
 LOCK_POLL_SEC = 0.05
@@ -141,6 +148,17 @@ def _user() -> str:
         return pwd.getpwuid(os.getuid()).pw_name
     except KeyError:
         return str(os.getuid())
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """What a prune removed, and what it kept because a trial or a build (of any job,
+    in any process) holds it."""
+
+    removed: list[CachedImage] = field(default_factory=list)
+    images_in_use: list[CachedImage] = field(default_factory=list)
+    layers_removed: list[Path] = field(default_factory=list)
+    layers_in_use: list[Path] = field(default_factory=list)
 
 
 def _context_digest(context: Path) -> str:
@@ -304,7 +322,10 @@ class ImageCache:
                 meta = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
-            size = sum(entry.lstat().st_size for entry in image.rglob("*"))
+            try:
+                size = tree_size(image)  # a build may have left any tree there
+            except OSError:
+                size = 0
             by = meta.get("built_by") if isinstance(meta.get("built_by"), dict) else {}
             found.append(CachedImage(key=image.name, path=image, task=str(meta.get("task", "")),
                                      size_bytes=size, built_at=path.stat().st_mtime,
@@ -326,10 +347,11 @@ class ImageCache:
         finally:
             os.close(fd)
 
-    def prune(self, older_than_sec: float | None = None) -> list[CachedImage]:
+    def prune(self, older_than_sec: float | None = None) -> Pruned:
         """Remove images no trial uses (last used before ``older_than_sec`` ago, when
-        given) and leftovers of interrupted builds; the removed images."""
-        removed = []
+        given), the host's layers no trial or build holds, and leftovers of interrupted
+        builds; what was removed and what was kept in use."""
+        pruned = Pruned()
         self.remove_leftovers()
         for leftover in self.images.glob(".new-*"):  # staged by earlier versions
             remove_tree(leftover)
@@ -341,15 +363,17 @@ class ImageCache:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
+                    pruned.images_in_use.append(image)
                     continue
-                remove_tree(image.path)
+                remove_or_set_aside(image.path, logging.getLogger(__name__))
                 (self.images / f"{image.key}.lock").unlink(missing_ok=True)
-                removed.append(image)
+                pruned.removed.append(image)
             finally:
                 os.close(fd)
-        for stale in self.root.glob("host/*"):
-            remove_tree(stale)  # rebuilt on next use in a few milliseconds
-        return removed
+        layers_removed, layers_in_use = prune_host_layers(self.root)
+        pruned.layers_removed.extend(layers_removed)
+        pruned.layers_in_use.extend(layers_in_use)
+        return pruned
 
 
 def _drop_network_files(upper: Path) -> None:
@@ -375,7 +399,7 @@ def _commit(state: StateDir, layer: Path, target: Path, record: dict[str, Any]) 
     layer.rename(staging / "layer")
     (staging / "image.json").write_text(json.dumps(record, indent=2))
     if target.exists():
-        remove_tree(target)
+        remove_or_set_aside(target, logging.getLogger(__name__))
     staging.rename(target)
 
 

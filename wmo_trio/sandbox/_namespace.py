@@ -38,7 +38,7 @@ from typing import Any
 
 from wmo_trio.sandbox import _storage
 from wmo_trio.sandbox._cgroup import Limits, TrialCgroup
-from wmo_trio.sandbox._hostfs import read_tail
+from wmo_trio.sandbox._hostfs import read_tail, remove_or_set_aside, remove_tree
 from wmo_trio.sandbox._processes import Channel, wait_readable
 from wmo_trio.sandbox._profile import (
     DEFAULT_PATH,
@@ -123,10 +123,14 @@ class StateDir:
         return cls(path, lock_path, fd)
 
     def remove(self) -> None:
-        remove_tree(self.path)
-        with contextlib.suppress(FileNotFoundError):
-            self.lock_path.unlink()
-        os.close(self.lock_fd)
+        """Remove the directory (what will not go is set aside, never left in the
+        way) and its lock file; then release the lock."""
+        try:
+            remove_or_set_aside(self.path, logging.getLogger(__name__))
+            with contextlib.suppress(FileNotFoundError):
+                self.lock_path.unlink()
+        finally:
+            os.close(self.lock_fd)
 
     def remove_later(self, first: Callable[[], None] | None = None) -> None:
         """:meth:`remove` in a thread of its own, once nothing runs in the sandbox any
@@ -183,7 +187,8 @@ def same_file(fd: int, path: Path) -> bool:
 
 def remove_stale_states(root: Path) -> list[Path]:
     """Remove state directories whose owners all died (e.g. a SIGKILLed harbor); safe
-    while other jobs run, since live sandboxes hold their locks."""
+    while other jobs run, since live sandboxes hold their locks. What will not go is
+    set aside (``remove_or_set_aside``): no leftover fails a later start."""
     removed: list[Path] = []
     if not root.is_dir():
         return removed
@@ -200,26 +205,17 @@ def remove_stale_states(root: Path) -> list[Path]:
             if not same_file(fd, lock_path):
                 continue
             directory = lock_path.with_suffix("")
-            remove_tree(directory)
-            lock_path.unlink()
+            try:
+                remove_or_set_aside(directory, logging.getLogger(__name__))
+                lock_path.unlink()
+            except OSError as error:  # tried again by the next start
+                logging.getLogger(__name__).warning(
+                    "could not remove the stale sandbox directory %s: %s", directory, error)
+                continue
             removed.append(directory)
         finally:
             os.close(fd)
     return removed
-
-
-def remove_tree(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        def make_writable(function: object, failed: str, _: BaseException) -> None:
-            # Overlay leaves mode-000 directories in its work directory.
-            os.chmod(failed, 0o700)
-            with contextlib.suppress(OSError):
-                os.chmod(os.path.dirname(failed), 0o700)
-            shutil.rmtree(failed) if os.path.isdir(failed) else os.unlink(failed)
-
-        shutil.rmtree(path, onexc=make_writable)
 
 
 def _overlay_options(lower: Sequence[str], upper: Path, work: Path, state: Path,

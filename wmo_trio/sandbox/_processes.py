@@ -176,13 +176,9 @@ class Channel:
         output_limit: int = 4 << 20,
         callback: OutputCallback | None = None,
         stream_limit: int | None = None,
-        service: bool = False,
-        join: int | None = None,
     ) -> Completed:
         """Run ``argv`` in the sandbox and wait for it.
 
-        A ``service`` (the image's ENTRYPOINT) and all it starts outlive :meth:`clear`;
-        ``join`` is a cgroup's ``cgroup.procs``, opened for writing, that it joins.
         stdout is captured unless ``stdout`` (a host file) is given; stderr always is.
         Captured output keeps its head and tail within ``output_limit`` bytes a stream;
         a cut is reported at the end of stderr. ``callback`` receives the first
@@ -211,10 +207,8 @@ class Channel:
                     read_ends[name] = read_fd
                     passed.append(write_fd)
                     to_close.append(write_fd)
-            if join is not None:
-                passed.append(join)
             request = {"op": "spawn", "id": request_id, "argv": list(argv), "env": dict(env),
-                       "cwd": cwd, "user": user, "tag": uuid.uuid4().hex, "service": service}
+                       "cwd": cwd, "user": user, "tag": uuid.uuid4().hex}
             await self._send(request, passed)
         except BaseException:
             for fd in [*to_close, *read_ends.values()]:
@@ -274,14 +268,6 @@ class Channel:
         if notes:
             stderr += "".join(notes).encode()
         return Completed(code, caps["stdout"].value(), stderr)
-
-    async def clear(self, cgroup: str | None) -> int:
-        """End every process of the sandbox but its helper and the services' (those in
-        ``cgroup``, as the sandbox names it, when given; else those the service commands
-        started, as far as their sessions, ancestry and environments tell); how many
-        were ended. Once it returns, none of them is left running."""
-        reply = await self._ask({"op": "clear", "cgroup": cgroup})
-        return int(reply["cleared"])
 
     async def end_others(self) -> None:
         """End every process of the sandbox but its helper, however it detached; once it

@@ -16,24 +16,34 @@ them and the images built on them.
 What one sandbox must not see inside the system directories (harbor's tasks and jobs,
 the project, the caches, when they live there) is whited out by a *hiding* layer of its
 own, above the mask, made in the sandbox's state directory at each start.
+
+Every process that uses a host layer (a trial, and the builds it runs) holds a *lease*
+on it, a shared lock on its lock file, from before it looks for the layer until its
+sandboxes are gone; ``wmo-trio sandbox prune`` removes a layer only once it holds that
+lock exclusively, so it never takes one from under a running build or trial, in any
+job or process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import hashlib
 import json
+import logging
 import os
 import posixpath
 import shutil
 import stat
 import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["HostLayers", "host_layers", "make_hiding_layer"]
+from wmo_trio.sandbox._hostfs import remove_or_set_aside
+
+__all__ = ["HostLayers", "Lease", "host_layers", "make_hiding_layer", "prune_host_layers"]
 
 # Top-level host directories that may be part of the image, when they exist.
 SYSTEM_DIRECTORIES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "var", "opt")
@@ -54,14 +64,49 @@ SHARED_PARENTS = ("", "usr", "usr/local", "var")
 ACCOUNT_FILES = {"passwd": "uid", "shadow": "passwd", "group": "gid", "gshadow": "group"}
 
 
+@dataclass
+class Lease:
+    """A shared lock held on a layer's lock file while the layer is in use."""
+
+    fd: int = -1
+
+    @classmethod
+    def take(cls, lock_path: Path) -> Lease:
+        """Hold ``lock_path`` shared (made if missing), waiting while a prune holds it.
+        A prune unlinks the file before it lets go: a lock on an unlinked file guards
+        nothing, so the lease is taken again on the file now there."""
+        while True:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                if os.fstat(fd).st_nlink > 0:
+                    return cls(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+
+    def release(self) -> None:
+        """Let go (once; again is nothing)."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
 @dataclass(frozen=True)
 class HostLayers:
-    """Where the host's layers of every sandbox root are."""
+    """Where the host's layers of every sandbox root are, and the lease that keeps them
+    there until :meth:`release`."""
 
     skeleton: Path
     mask: Path
     system: tuple[str, ...]  # the system directories overlaid, e.g. ("etc", "opt", "usr", "var")
     hidden: tuple[str, ...] = ()  # what a sandbox's hiding layer whites out, relative to /
+    lease: Lease = field(default_factory=Lease, compare=False, repr=False)
+
+    def release(self) -> None:
+        """The sandboxes built on these layers are gone: a prune may remove them."""
+        self.lease.release()
 
     @property
     def identity(self) -> str:
@@ -226,7 +271,8 @@ def _system_accounts(mask: Path) -> None:
 
 def host_layers(cache_dir: Path, hidden: Iterable[Path]) -> HostLayers:
     """The skeleton and mask of this host, made once and kept in ``cache_dir``, and what
-    of ``hidden`` a sandbox's hiding layer must white out."""
+    of ``hidden`` a sandbox's hiding layer must white out; held (their lease) until
+    :meth:`HostLayers.release`."""
     system = tuple(name for name in SYSTEM_DIRECTORIES
                    if (Path("/") / name).is_dir() and not (Path("/") / name).is_symlink())
     links = {name: os.readlink(f"/{name}") for name in SYSTEM_DIRECTORIES
@@ -238,18 +284,57 @@ def host_layers(cache_dir: Path, hidden: Iterable[Path]) -> HostLayers:
                                      os.path.lexists(MAN_DB_AUTO_UPDATE)])
                          .encode()).hexdigest()[:16]
     target = cache_dir / "host" / key
-    if not target.is_dir():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=".new-", dir=target.parent))
-        try:
-            _build(scratch, system)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lease = Lease.take(target.with_name(f"{key}.lock"))
+    try:
+        if not target.is_dir():
+            # Named after its layers: a prune knows whose lease guards it.
+            scratch = Path(tempfile.mkdtemp(prefix=f".new-{key}-", dir=target.parent))
             try:
-                scratch.rename(target)
-            except OSError:
-                if not target.is_dir():  # not another process having made it meanwhile
-                    raise
+                _build(scratch, system)
+                try:
+                    scratch.rename(target)
+                except OSError:
+                    if not target.is_dir():  # not another process having made it meanwhile
+                        raise
+            finally:
+                if scratch.exists():
+                    shutil.rmtree(scratch)
+        return HostLayers(skeleton=target / "skeleton", mask=target / "mask", system=system,
+                          hidden=tuple(_hidden_entries(hidden, system)), lease=lease)
+    except BaseException:
+        lease.release()
+        raise
+
+
+def prune_host_layers(cache_dir: Path) -> tuple[list[Path], list[Path]]:
+    """Remove the host layers in ``cache_dir`` that no process holds a lease on (they
+    are made again in milliseconds when next needed), with what was left of their
+    making by a process that died; the layers removed and those kept, in use."""
+    removed: list[Path] = []
+    in_use: list[Path] = []
+    directory = cache_dir / "host"
+    if not directory.is_dir():
+        return removed, in_use
+    keys = {path.name.removesuffix(".lock") for path in directory.iterdir()
+            if not path.name.startswith(".")}
+    for key in sorted(keys):
+        lock_path = directory / f"{key}.lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                in_use.append(directory / key)
+                continue
+            if os.fstat(fd).st_nlink == 0:  # another prune's, just now
+                continue
+            for path in [directory / key, *directory.glob(f".new-{key}-*")]:
+                if path.exists():
+                    remove_or_set_aside(path, logging.getLogger(__name__))
+                    if path.name == key:
+                        removed.append(path)
+            lock_path.unlink()  # before the lock goes: see Lease.take
         finally:
-            if scratch.exists():
-                shutil.rmtree(scratch)
-    return HostLayers(skeleton=target / "skeleton", mask=target / "mask", system=system,
-                      hidden=tuple(_hidden_entries(hidden, system)))
+            os.close(fd)
+    return removed, in_use

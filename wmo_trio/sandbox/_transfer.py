@@ -57,6 +57,10 @@ BLOCK = 4096
 CHUNK = 1 << 20
 # A host path must stay usable by harbor's path-based code (PATH_MAX is 4096 bytes).
 MAX_RELATIVE_PATH = 2048
+# And a host tree must stay usable by harbor's tree walks, which recurse once per level
+# (`harbor jobs resume` removes a trial's directory with shutil.rmtree: RecursionError
+# near 1,000 levels). Honest tasks' outputs nest a few dozen levels at most.
+MAX_DEPTH = 256
 LISTED_LEFT_OUT = 10
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY
@@ -302,6 +306,11 @@ class _Download:
                         continue
                     mode = entry.stat(follow_symlinks=False).st_mode
                     if stat.S_ISDIR(mode):
+                        if path.count("/") + 1 > MAX_DEPTH:
+                            self.outcome.left_out.append(
+                                (path[:80] + "...", f"it is more than {MAX_DEPTH} directories "
+                                 "deep, which harbor's own tools cannot walk"))
+                            continue
                         if self.select is None:
                             self._take(BLOCK)
                         self.pending.append(path)
