@@ -13,6 +13,7 @@ told to hold its replies until the test has acted.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -82,9 +83,11 @@ def job_config(jobs_dir: Path, name: str, path: Path, *, attempts: int, concurre
         environment=LOCAL_ENVIRONMENT, model=model, provider_settings=provider or {}))
 
 
-def run_job(config: Any, **where: Any) -> tuple[Any, list[Any]]:
+def run_job(config: Any, niceness: dict[int, int] | None = None,
+            **where: Any) -> tuple[Any, list[Any]]:
     """`wmo_trio.harbor.run_job` in this process (trio owning it); the `JobResult` and the
-    trial events the workers saw."""
+    trial events the workers saw (and into `niceness`, each worker process's)."""
+    niceness = {} if niceness is None else niceness
     from wmo_trio.harbor import run_job as run
     from wmo_trio.harbor._job import harbor_progress_hidden
 
@@ -92,6 +95,8 @@ def run_job(config: Any, **where: Any) -> tuple[Any, list[Any]]:
 
     async def seen(event: Any) -> None:
         events.append(event)
+        with contextlib.suppress(OSError):  # a worker of another machine, or gone
+            niceness.setdefault(event.worker.pid, os.getpriority(os.PRIO_PROCESS, event.worker.pid))
 
     async def main() -> Any:
         with harbor_progress_hidden(), trio.fail_after(TIMEOUT_S), warnings.catch_warnings():
@@ -119,8 +124,12 @@ def test_a_job_on_two_workers_gives_the_same_trials_and_rewards_as_in_one_proces
 
     alone, _ = run_job(job_config(tmp_path, "alone", TASKS, attempts=8, concurrency=8))
     config = job_config(tmp_path, "workers", TASKS, attempts=8, concurrency=8)
-    shared, events = run_job(config, workers=2)
+    niceness: dict[int, int] = {}
+    shared, events = run_job(config, niceness, workers=2)
     assert outcomes(tmp_path / "workers") == outcomes(tmp_path / "alone")
+    # an embedded cluster's workers do this process's work at its priority (Ray's default
+    # nices them to 15)
+    assert set(niceness.values()) == {os.getpriority(os.PRIO_PROCESS, 0)}, niceness
     assert sum(outcomes(tmp_path / "workers").values()) == 24
     assert {event.worker.index for event in events} == {0, 1}  # both workers ran trials
     # harbor's own records: its stats, and a resume that finds every trial done

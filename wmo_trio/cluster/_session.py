@@ -133,7 +133,7 @@ async def open_cluster(options: ClusterOptions) -> AsyncIterator[Cluster]:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(owner.stop)
             if scratch is not None:
-                from wmo_trio.cluster._tree import remove_tree
+                from wmo_trio.sandbox._hostfs import remove_tree
 
                 await trio.to_thread.run_sync(remove_tree, scratch)
 
@@ -238,25 +238,33 @@ class _RayOwner:
             self._node = None
 
 
+# Ray runs its worker processes at niceness 15 so that its own daemons stay responsive
+# beside them. An embedded cluster's workers are the command's work, which in one process
+# runs at the command's own priority: niced, they got what a shared machine's other
+# processes left (and less than this driver and the loopback server beside them).
+_EMBEDDED_CONFIG: dict[str, Any] = {"worker_niceness": 0}
+
+
 def _embedded_head(scratch: Path, cpus: int) -> tuple[Any, dict[str, Any]]:
     """A local Ray head of `cpus` cores, its session under `scratch`, that starts only what
     a job needs: the GCS, the raylet (with the agents it starts) and the API server Ray
     always starts, but no log monitor (the workers' output is not forwarded here) and no
     autoscaler monitor (nothing to scale): fewer processes to start, about a third less
-    CPU and time before the first worker. Built with Ray's own node class, as Ray's test
-    cluster utility builds its nodes; a Ray release that has moved it gets `ray.init`'s
-    default set. The node, or None, and `ray.init`'s arguments to join it."""
+    CPU and time before the first worker. Its workers are not niced (`_EMBEDDED_CONFIG`).
+    Built with Ray's own node class, as Ray's test cluster utility builds its nodes; a Ray
+    release that has moved it gets `ray.init`'s default set. The node, or None, and
+    `ray.init`'s arguments to join it."""
     try:
         from ray._private.authentication.authentication_token_setup import ensure_token_if_auth_enabled
         from ray._private.node import Node
         from ray._private.parameter import RayParams
     except ImportError:
         return None, {"address": "local", "num_cpus": cpus, "_temp_dir": str(scratch),
-                      "include_dashboard": False}
+                      "include_dashboard": False, "_system_config": _EMBEDDED_CONFIG}
     ensure_token_if_auth_enabled(None, create_token_if_missing=True)  # as ray.init does
     params = RayParams(num_cpus=cpus, temp_dir=str(scratch), include_dashboard=False,
                        include_log_monitor=False,  # type: ignore[arg-type]  # Ray types its flag str
-                       no_monitor=True)
+                       no_monitor=True, _system_config=dict(_EMBEDDED_CONFIG))
     node = Node(params, head=True, shutdown_at_exit=False, spawn_reaper=True)
     return node, {"address": node.address}
 
