@@ -67,8 +67,10 @@ def run(quick: bool, smoke: bool = False, log: Any = lambda line: None) -> dict[
                 env=traffic._environ(impl), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             [measured] = traffic._finish(process, 2 * cap + 600, (impl,), burst)
             stats = server.stats()
+            layout_cpu = sum(measured.get("cpu_by_role_s", {}).values()) or measured.get("cpu_s", 0.0)
             results["traffic"].append({**measured, "load_before": load, "server": stats,
-                                       "machine": share.figures(stats["cpu_s"])})
+                                       "machine": with_unreaped(share.figures(stats["cpu_s"]),
+                                                                layout_cpu)})
     results["harbor"] = harbor_jobs(trials, concurrency, log)
     results["load_after"] = os.getloadavg()
     return results
@@ -101,8 +103,19 @@ def harbor_jobs(trials: int, concurrency: int, log: Any) -> dict[str, Any]:
                 jobs[name] = {"failed": f"exit {process.returncode}: {process.stderr.read()[-1500:]}"}
                 continue
             jobs[name] = {**harbor_job._summarise(Path(scratch) / job, wall), "cpu_by_role_s": cpu,
-                          "load_before": load, "machine": share.figures(0.0)}
+                          "load_before": load,
+                          "machine": with_unreaped(share.figures(0.0), sum(cpu.values()))}
     return jobs
+
+
+def with_unreaped(figures: dict[str, float], layout_cpu_s: float) -> dict[str, float]:
+    """`traffic.MachineShare`'s figures with the layout's processes that no process of ours
+    reaps (Ray's workers and daemons, and what they start) counted as ours, not as the
+    other processes'."""
+    wall = figures["wall_s"]
+    unreaped = max(0.0, layout_cpu_s - figures["runs_cores"] * wall) / wall
+    return {**figures, "runs_cores": figures["runs_cores"] + unreaped,
+            "others_cores": max(0.0, figures["others_cores"] - unreaped)}
 
 
 SAMPLE_S = 0.25
