@@ -61,7 +61,7 @@ async def _start_stop(n_trials: int, scratch: Path) -> dict[str, Any]:
     from harbor.models.trial.paths import TrialPaths
 
     from wmo_trio.harbor import LocalEnvironment
-    from wmo_trio.sandbox._namespace import wait_for_removals
+    from wmo_trio.sandbox import wait_for_removals
 
     variants: dict[str, int | None] = {"plain": None, "storage": STORAGE_MB}
     samples = {name: {"start": [], "stop": [], "total": []} for name in variants}
@@ -160,10 +160,15 @@ async def _job(n_trials: int, n_concurrent: int, scratch: Path) -> dict[str, Any
         ),
         tasks=[TaskConfig(path=TASK)],
     )
+    from wmo_trio.sandbox import wait_for_removals
+
     began = time.perf_counter()
     job = await Job.create(config)
     await job.run()
     wall_sec = time.perf_counter() - began
+    # The trials' stops leave their state directories to threads of their own: the
+    # scratch directory goes only once they are done, or both remove the same tree.
+    await asyncio.to_thread(wait_for_removals)
 
     phases: dict[str, list[float]] = {
         "trial": [], "environment_setup": [], "agent_execution": [], "verifier": [],

@@ -82,8 +82,7 @@ def _summary(samples_s: list[float]) -> dict[str, float]:
 
 
 def _start(n: int, workdir: Path) -> dict[str, Any]:
-    from wmo_trio.backends import build_runtime
-    from wmo_trio.backends.sandbox import SandboxSettings, sandbox_problem
+    from wmo_trio.backends import SandboxSettings, build_runtime, sandbox_problem
     from wmo_trio.episode import LocalDirEnvironment
 
     problem = sandbox_problem()

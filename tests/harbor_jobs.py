@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from wmo_trio.sandbox._namespace import wait_for_removals
+from wmo_trio.sandbox import wait_for_removals
 
 if TYPE_CHECKING:
     from harbor.models.job.config import JobConfig

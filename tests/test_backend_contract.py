@@ -24,8 +24,7 @@ from doubles import Spy, make_doc, untimed
 from e2b_fake import FakeE2B
 from test_code_runtime import AGENT, INSTRUCTION, SOLVE, code_doc
 
-from wmo_trio.backends import BACKENDS, build_runtime
-from wmo_trio.backends.sandbox import sandbox_problem
+from wmo_trio.backends import BACKENDS, build_runtime, sandbox_problem
 from wmo_trio.episode import LocalDirEnvironment, channel
 from wmo_trio.episode.channel import MAX_FREE_CALLS
 from wmo_trio.episode.runtime import RuntimeBase

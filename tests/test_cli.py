@@ -296,6 +296,11 @@ print(json.dumps({"said": said, "harbor": refused, "then": harbor()}))
 def test_every_refusal_comes_before_harbor_loads(tmp_path: Path) -> None:
     (tmp_path / "no-tasks").mkdir()
     (tmp_path / "jobs" / "taken").mkdir(parents=True)
+    for task in ("plain", "multi"):
+        (tmp_path / "mixed" / task / "environment").mkdir(parents=True)
+        (tmp_path / "mixed" / task / "task.toml").write_text("")
+    (tmp_path / "mixed" / "multi" / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  main:\n    build: .\n")
     cases = {
         "-n 0": ({"concurrency": 0}, "-n (--n-concurrent) must be at least 1, got 0"),
         "-k -1": ({"attempts": -1}, "-k (--n-attempts) must be at least 1, got -1"),
@@ -318,6 +323,11 @@ def test_every_refusal_comes_before_harbor_loads(tmp_path: Path) -> None:
                                "scripted provider: unknown setting scirpt"),
         "e2b without a key": ({"backend": "e2b"}, "harness_backend='e2b' needs an E2B API key"),
         "an unknown environment": ({"environment": "nosuch"}, "unknown environment 'nosuch'"),
+        # Before: harbor's traceback at the first such trial, the job's other trials lost.
+        "a Compose task without Docker": (
+            {"paths": ["mixed"], "environment": "wmo_trio.harbor:LocalEnvironment"},
+            "1 task needs Docker Compose (multi), which the docker-free sandbox does not run: "
+            "run them with -e docker"),
     }
     environment = {k: v for k, v in os.environ.items() if k != "E2B_API_KEY"}
     completed = subprocess.run(

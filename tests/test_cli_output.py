@@ -84,16 +84,19 @@ def test_timeouts_and_errors_are_counted_apart() -> None:
     rows = [TrialRow("a__1", "a", done=True, reward=1.0),
             TrialRow("b__1", "b", done=True, reward=0.0, exception="AgentTimeoutError"),
             TrialRow("b__2", "b", done=True, reward=0.0, exception="AgentTimeoutError"),
-            TrialRow("c__1", "c", done=True, exception="EnvironmentStartTimeoutError")]
-    progress = JobProgress(total=4, finished={row.name: row for row in rows})
+            TrialRow("c__1", "c", done=True, exception="EnvironmentStartTimeoutError"),
+            # No harbor exception, but the episode raised: compare counts it an error too.
+            TrialRow("d__1", "d", done=True, reward=0.0, stop_reason="error"),
+            TrialRow("d__2", "d", done=True, reward=0.0, stop_reason="provider_error")]
+    progress = JobProgress(total=6, finished={row.name: row for row in rows})
     header, values = [line for line in _text(progress.render()).splitlines() if "┃" in line
                       or "│" in line][:2]
     columns = [cell.strip() for cell in header.strip("┃").split("┃")]
     cells = dict(zip(columns, (cell.strip() for cell in values.strip("│").split("│")),
                      strict=True))
-    assert (cells["done"], cells["timed out"], cells["errors"]) == ("4/4", "2", "1")
-    assert summary_line(rows) == ("4 trials: mean reward 0.333, 2 timed out (AgentTimeoutError, "
-                                  "still scored), 1 error")
+    assert (cells["done"], cells["timed out"], cells["errors"]) == ("6/6", "2", "2")
+    assert summary_line(rows) == ("6 trials: mean reward 0.200, 2 timed out (AgentTimeoutError, "
+                                  "still scored), 2 errors")
 
 
 def test_the_summary_names_each_trial() -> None:

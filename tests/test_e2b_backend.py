@@ -24,9 +24,8 @@ from harbor_jobs import run_job_here
 from test_backend_contract import call, reply, run_on
 from test_code_runtime import AGENT, INSTRUCTION, code_doc, text_call
 
-from wmo_trio.backends import build_runtime, check_backend
+from wmo_trio.backends import build_runtime, check_backend, sandbox_problem
 from wmo_trio.backends.e2b import E2BRuntime, E2BSettings
-from wmo_trio.backends.sandbox import sandbox_problem
 from wmo_trio.episode import EpisodeRuntime, LocalDirEnvironment
 from wmo_trio.harness import load_harness
 from wmo_trio.models import ActionKind, RunResult, StopReason

@@ -191,7 +191,9 @@ async def test_a_cancellation_before_the_worker_starts_still_records() -> None:
             # cancelled once it waits for that token
             nursery.start_soon(_cancel_once_all_blocked, scope)
             await engine.run_episode(waiting)
-        blocker.stop()
+        # Let the blocker end; not blocker.stop(), which reads the control its run sets and
+        # may run before the worker's thread has begun it on a busy machine.
+        blocker.stopping.set()
     assert scope.cancelled_caught
     assert "run" not in waiting.events  # it never got a worker
     assert waiting.events[-2:] == ["close", ("record", "Error", True)]

@@ -206,7 +206,7 @@ def test_the_floor_check_refuses_newer_syntax_and_other_packages() -> None:
 HEAVY = ("anthropic", "openai", "e2b", "numpy", "scipy", "matplotlib", "litellm", "trio_asyncio",
          "ray")
 # wmo_trio's own modules that bring them, or that only some trials use.
-HEAVY_OWN = ("wmo_trio.compare", "wmo_trio.backends.e2b", "wmo_trio.backends.sandbox",
+HEAVY_OWN = ("wmo_trio.compare", "wmo_trio.backends.e2b", "wmo_trio.backends._sandbox",
              "wmo_trio.providers.anthropic", "wmo_trio.providers.openai", "wmo_trio.research",
              "wmo_trio.cluster")
 

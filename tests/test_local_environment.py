@@ -27,7 +27,7 @@ from harbor.models.trial.paths import EnvironmentPaths, TrialPaths
 from harbor_jobs import run_oracle_job
 
 from wmo_trio.harbor import LocalEnvironment
-from wmo_trio.sandbox._namespace import wait_for_removals
+from wmo_trio.sandbox import wait_for_removals
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = REPO / "examples" / "tasks"

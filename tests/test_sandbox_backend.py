@@ -25,9 +25,16 @@ from doubles import Spy
 from test_code_runtime import AGENT, INSTRUCTION, SOLVE, code_doc
 
 import wmo_trio
-from wmo_trio.backends import build_runtime, check_backend, resolve_backend
+from wmo_trio.backends import (
+    SandboxRuntime,
+    SandboxSettings,
+    build_runtime,
+    check_backend,
+    resolve_backend,
+    sandbox_problem,
+)
 from wmo_trio.backends._frames import MAX_FRAME_BYTES
-from wmo_trio.backends.sandbox import SandboxRuntime, SandboxSettings, python_runtime, sandbox_problem
+from wmo_trio.backends._sandbox_runner import python_runtime
 from wmo_trio.episode import LocalDirEnvironment
 from wmo_trio.models import RunResult, StopReason
 from wmo_trio.research import LocalProcessEnvironment
@@ -500,18 +507,18 @@ def test_where_the_sandbox_cannot_run_one_error_names_what_is_missing(
 
 def test_threads_that_ask_at_once_whether_the_sandbox_runs_start_one_probe(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from wmo_trio.backends import sandbox
+    from wmo_trio.backends import _sandbox_runner
 
     probes: list[object] = []
     threads: list[threading.Thread] = []
-    original = sandbox._Runner.start.__func__  # type: ignore[attr-defined]
+    original = _sandbox_runner.Runner.start.__func__  # type: ignore[attr-defined]
 
     def start(cls: type, *args: Any) -> Any:
         if threading.current_thread() in threads:  # not a pool's, filling in the background
             probes.append(args)
         return original(cls, *args)
 
-    monkeypatch.setattr(sandbox._Runner, "start", classmethod(start))
+    monkeypatch.setattr(_sandbox_runner.Runner, "start", classmethod(start))
     sandbox_problem.cache_clear()
     asking = threading.Barrier(16)
     answers: list[str | None] = []

@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from wmo_trio.sandbox._namespace import DEFAULT_PATH, helper_program
+from wmo_trio.sandbox._namespace import helper_program
 from wmo_trio.sandbox._processes import Channel
+from wmo_trio.sandbox._profile import DEFAULT_PATH
 
 # Bounds a hang only: the wake-up takes microseconds.
 WAKE_BOUND_SEC = 30.0

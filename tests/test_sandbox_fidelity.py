@@ -25,11 +25,11 @@ from test_local_environment import (
     trial_results,
 )
 
-from wmo_trio.sandbox import BuildError, DockerfileError, _image
+from wmo_trio.sandbox import BuildError, DockerfileError, _packing
 from wmo_trio.sandbox._dockerfile import build_plan, parse
-from wmo_trio.sandbox._environment import AUTO_MOUNTING_REFUSED
-from wmo_trio.sandbox._image import stand_in_notice
+from wmo_trio.sandbox._environment import AUTO_MOUNTING_REFUSED, COMPOSE_REFUSED
 from wmo_trio.sandbox._rootfs import MAN_DB_AUTO_UPDATE
+from wmo_trio.sandbox._stand_in import stand_in_notice
 
 __all__ = ["pytestmark"]
 
@@ -181,7 +181,7 @@ def test_copy_from_a_stage_brings_out_no_more_than_its_limit(
     """The stage is the task's, and so is the ``tar`` that packs what COPY --from takes:
     one that never stops writing is cut off at the limit, the build failing in one line,
     instead of filling the host's disk until the build's time runs out."""
-    monkeypatch.setattr(_image, "STAGE_COPY_LIMIT", 1 << 20)
+    monkeypatch.setattr(_packing, "STAGE_COPY_LIMIT", 1 << 20)
     context = tmp_path / "environment"
     context.mkdir()
     (context / "Dockerfile").write_text(textwrap.dedent("""\
@@ -366,17 +366,48 @@ def test_a_failed_build_leaves_one_line_for_the_log_download_not_a_traceback(
     assert "did not start" in output
 
 
-def test_a_compose_task_is_refused_as_the_docs_say_with_what_to_use_instead(
+def test_a_compose_task_is_refused_as_the_docs_say_and_the_job_goes_on(
     tmp_path: Path,
 ) -> None:
-    context = tmp_path / "environment"
-    shutil.copytree(TASKS / "hello-file" / "environment", context)
-    (context / "docker-compose.yaml").write_text("services:\n  main:\n    build: .\n")
-    with pytest.raises(ValueError, match="Docker Compose") as refusal:
-        make_environment(tmp_path, context)
+    """Its trial fails in one line; before, the refusal ended the whole job in harbor's
+    266-line traceback and the other task's trial was lost."""
+    shutil.copytree(TASKS / "hello-file", tmp_path / "tasks" / "hello-file")
+    compose = tmp_path / "tasks" / "compose-one"
+    shutil.copytree(TASKS / "hello-file", compose)
+    (compose / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  main:\n    build: .\n")
+    completed = run_harbor(tmp_path / "jobs", "-p", str(tmp_path / "tasks"), "-a", "oracle",
+                           "-n", "2", "--ek", f"state_dir={tmp_path / 'state'}", timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    output = completed.stdout + completed.stderr
+    assert "Traceback" not in output, output
+    results = {result["task_name"]: result for result in trial_results(tmp_path / "jobs").values()}
+    assert results["compose-one"]["exception_info"]["exception_message"] == COMPOSE_REFUSED
+    assert results["hello-file"]["verifier_result"]["rewards"]["reward"] == 1.0
     docs = " ".join((REPO / "docs" / "sandbox.md").read_text().split())
-    assert str(refusal.value).rstrip(".") in docs
+    assert COMPOSE_REFUSED in docs
     assert "Docker Compose tasks are refused" in docs
+
+
+def test_a_stopped_sandbox_has_nothing_to_copy_out_and_says_so_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """harbor asks for the logs of a trial whose start was cancelled halfway, after the
+    sandbox is gone: one line, not an error with its traceback."""
+    environment = make_environment(tmp_path)
+
+    async def scenario() -> None:
+        async with running(environment):
+            pass
+        await environment.download_dir("/logs/agent", tmp_path / "agent")
+        await environment.download_file("/logs/agent/x", tmp_path / "x")
+
+    with caplog.at_level(logging.WARNING):
+        run(scenario)
+    said = [r.getMessage() for r in caplog.records if "nothing to copy out" in r.getMessage()]
+    assert said == [f"nothing to copy out of {environment.session_id}: its environment has "
+                    "stopped"]
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.harbor
@@ -427,3 +458,27 @@ def test_a_bind_mount_asked_for_is_never_read_through_by_harbor(tmp_path: Path) 
 
     asyncio.run(scenario())
     assert (shared / "reward.txt").read_text() == "1\n"
+
+
+def test_the_entrypoint_ends_with_the_trial_without_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A container's main process ends when the container stops; the pubtasks run logged
+    "the ENTRYPOINT failed" at the stop of every task with one."""
+    context = tmp_path / "environment"
+    context.mkdir()
+    (context / "Dockerfile").write_text(
+        'FROM ubuntu:24.04\nENTRYPOINT ["sh", "-c", "echo up > /tmp/up; exec \\"$@\\"", "sh"]\n')
+    environment = make_environment(tmp_path, context, cache_dir=str(tmp_path / "cache"))
+
+    async def scenario() -> None:
+        async with running(environment):
+            # The ENTRYPOINT runs beside the trial's commands: one waits until it has.
+            waited = await environment.exec("until [ -e /tmp/up ]; do sleep 0.05; done")
+            assert waited.return_code == 0
+
+    with caplog.at_level(logging.DEBUG, logger=environment.logger.name):
+        run(scenario)
+    messages = [record.getMessage() for record in caplog.records]
+    assert not [m for m in messages if "ENTRYPOINT failed" in m], messages
+    assert any("the ENTRYPOINT ended with the trial" in m for m in messages), messages

@@ -1,5 +1,5 @@
 """The host's rule for paths a trial or a build wrote (``wmo_trio.sandbox._hostfs``), and
-the copy engine built on it (``_transfer``) run against a plain directory standing in
+the copy engine built on it (``_transfer`` out, ``_upload`` in) run against a plain directory standing in
 for a trial's root: links never followed, reads bounded, FIFOs never opened."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from wmo_trio.sandbox import _transfer
+from wmo_trio.sandbox import _transfer, _upload
+from wmo_trio.sandbox._errors import TransferIncomplete
 from wmo_trio.sandbox._hostfs import (
     FileTooLarge,
     kernel_filesystem,
@@ -31,7 +32,7 @@ from wmo_trio.sandbox._hostfs import (
     safe_mode,
     tree_size,
 )
-from wmo_trio.sandbox._transfer import TransferIncomplete, TransferLimits
+from wmo_trio.sandbox._transfer import TransferLimits
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="openat2 is Linux's")
 
@@ -518,7 +519,7 @@ def test_upload_writes_beneath_the_trials_root_through_its_own_links(tmp_path: P
     (source / "test.sh").write_text("#!/bin/sh\n")
     (source / "test.sh").chmod(0o755)
 
-    asyncio.run(_transfer.upload_dir(_root_of(root), source, "/tests"))
+    asyncio.run(_upload.upload_dir(_root_of(root), source, "/tests"))
 
     assert victim.read_text() == "untouched"
     assert (root / "test.sh").read_text() == "#!/bin/sh\n"

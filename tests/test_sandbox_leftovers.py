@@ -28,8 +28,8 @@ from test_local_environment import (
     trial_results,
 )
 
+from wmo_trio.sandbox import wait_for_removals
 from wmo_trio.sandbox._hostfs import QUARANTINE
-from wmo_trio.sandbox._namespace import wait_for_removals
 
 __all__ = ["pytestmark"]
 

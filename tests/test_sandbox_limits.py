@@ -34,7 +34,7 @@ from test_local_environment import (
 )
 
 from wmo_trio.harbor import LocalEnvironment
-from wmo_trio.sandbox import _environment, _storage
+from wmo_trio.sandbox import _environment, _options, _storage
 from wmo_trio.sandbox._cgroup import (
     PREFIX,
     HostCgroups,
@@ -43,7 +43,7 @@ from wmo_trio.sandbox._cgroup import (
     host_cgroups,
     remove_stale_cgroups,
 )
-from wmo_trio.sandbox._processes import ChannelClosed
+from wmo_trio.sandbox._errors import ChannelClosed
 
 HOST = host_cgroups()
 
@@ -209,7 +209,7 @@ class TestTrialLimits:
                 assert not any(directory.exists() for directory in stale)
                 directories = sandbox_cgroups(environment)
                 assert len(directories) == len(HOST.for_limits(Limits(
-                    cpus=1, memory_mb=256, pids=_environment.DEFAULT_PIDS_LIMIT)))
+                    cpus=1, memory_mb=256, pids=_options.DEFAULT_PIDS_LIMIT)))
                 assert all(directory.is_dir() for directory in directories)
                 await environment.exec("sleep 30 > /dev/null 2>&1 &")  # killed with it
             assert not any(directory.exists() for directory in directories)
@@ -442,12 +442,12 @@ def test_storage_mb_where_it_cannot_be_held_is_said_once_per_task_to_be_unenforc
     config = EnvironmentConfig(storage_mb=512)
     with caplog.at_level(logging.WARNING):
         for _ in range(2):
-            limits, storage_bytes = make_environment(tmp_path, config=config)._limits()
+            ceilings = make_environment(tmp_path, config=config)._ceilings()
     warnings = [r.getMessage() for r in caplog.records if "not enforced" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert "storage_mb=512" in warnings[0] and "no loop devices" in warnings[0]
-    assert storage_bytes is None
-    assert limits.pids == (1024 if HOST.offers("pids") else None)
+    assert ceilings.storage_bytes is None
+    assert ceilings.limits.pids == (1024 if HOST.offers("pids") else None)
 
 
 def test_storage_mb_is_a_ceiling_where_it_can_be_held_and_must_be_positive(
@@ -456,12 +456,12 @@ def test_storage_mb_is_a_ceiling_where_it_can_be_held_and_must_be_positive(
     monkeypatch.setattr(_environment, "_WARNED_UNENFORCED", set())
     monkeypatch.setattr(_storage, "problem", lambda: None)
     with caplog.at_level(logging.WARNING):
-        _, storage_bytes = make_environment(
-            tmp_path, config=EnvironmentConfig(storage_mb=512))._limits()
-    assert storage_bytes == 512 << 20
+        ceilings = make_environment(
+            tmp_path, config=EnvironmentConfig(storage_mb=512))._ceilings()
+    assert ceilings.storage_bytes == 512 << 20
     assert not [r for r in caplog.records if "storage_mb" in r.getMessage()]
     with pytest.raises(ValueError, match="storage_mb must be a positive number of MiB"):
-        make_environment(tmp_path, config=EnvironmentConfig(storage_mb=0))._limits()
+        make_environment(tmp_path, config=EnvironmentConfig(storage_mb=0))._ceilings()
 
 
 @pytest.mark.harbor

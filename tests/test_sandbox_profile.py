@@ -18,7 +18,7 @@ from test_local_environment import pytestmark as trial_marks
 from test_sandbox_backend import PROBLEM as RUNNER_PROBLEM
 from test_sandbox_backend import answer_of, runners, traced
 
-from wmo_trio.backends.sandbox import RUNNER_PROFILE, SandboxSettings
+from wmo_trio.backends import RUNNER_PROFILE, SandboxSettings
 from wmo_trio.sandbox import default_cache_dir
 from wmo_trio.sandbox._profile import (
     MASKED,

@@ -30,8 +30,7 @@ from test_local_environment import (
     running,
 )
 
-from wmo_trio.sandbox import _storage
-from wmo_trio.sandbox._namespace import wait_for_removals
+from wmo_trio.sandbox import _storage, wait_for_removals
 
 __all__ = ["pytestmark"]
 

@@ -26,7 +26,7 @@ from test_local_environment import (
     unique_seconds,
 )
 
-from wmo_trio.sandbox._transfer import TransferIncomplete
+from wmo_trio.sandbox._errors import TransferIncomplete
 
 __all__ = ["pytestmark"]
 

@@ -4,8 +4,10 @@
   `code:runtime` program with this process's rights: trusted code only);
 - `e2b`: `wmo_trio.backends.e2b.E2BRuntime`; the program runs in an E2B sandbox, the host
   answering its model and tool calls;
-- `sandbox`: `wmo_trio.backends.sandbox.SandboxRuntime`; the program runs in a bubblewrap
-  sandbox of its own on this machine, the host answering as for `e2b`.
+- `sandbox`: `SandboxRuntime` (`_sandbox`, its runner `_sandbox_runner`); the program
+  runs in a bubblewrap sandbox of its own on this machine, the host answering as for
+  `e2b`. Its settings (`SandboxSettings`), profile (`RUNNER_PROFILE`) and availability
+  check (`sandbox_problem`) are exported here, imported on first use.
 
 Each is declared once, in `BACKENDS` (a `Backend`): its name, its runtime and its settings
 model (imported on first use, as a provider's class is: the e2b SDK only when an `e2b`
@@ -29,10 +31,11 @@ import importlib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Self, get_args
+from typing import TYPE_CHECKING, Any, Literal, Self, get_args
 
 from pydantic import Field, model_validator
 
+from wmo_trio._lazy import lazy_exports
 from wmo_trio.control import CallControl
 from wmo_trio.episode.log import EpisodeLog
 from wmo_trio.episode.runtime import Runtime, RuntimeBase
@@ -40,9 +43,24 @@ from wmo_trio.harness import HarnessDoc
 from wmo_trio.providers.base import Provider
 from wmo_trio.settings import EpisodeSettings, Settings, TemplateName, refused
 
-__all__ = ["BACKENDS", "Backend", "BackendChoice", "Runtime", "backend_named", "build_runtime",
-           "check_backend", "choice_may_block", "choose_backend", "resolve_backend",
+if TYPE_CHECKING:
+    from wmo_trio.backends._sandbox import (
+        RUNNER_PROFILE,
+        SandboxRuntime,
+        SandboxSettings,
+        sandbox_problem,
+    )
+
+__all__ = ["BACKENDS", "RUNNER_PROFILE", "Backend", "BackendChoice", "Runtime", "SandboxRuntime",
+           "SandboxSettings", "backend_named", "build_runtime", "check_backend",
+           "choice_may_block", "choose_backend", "resolve_backend", "sandbox_problem",
            "unisolated_code_warning"]
+
+# The sandbox backend's modules load only in a process that uses it, as e2b's do: most
+# trials never name it.
+__getattr__ = lazy_exports(__name__, dict.fromkeys(
+    ("RUNNER_PROFILE", "SandboxRuntime", "SandboxSettings", "sandbox_problem"),
+    "wmo_trio.backends._sandbox"))
 
 BackendName = Literal["local", "e2b", "sandbox"]
 E2B_API_KEY_VARIABLE = "E2B_API_KEY"
@@ -108,7 +126,7 @@ def _local_unavailable(settings: object) -> str | None:
 
 
 def _sandbox_unavailable(settings: object) -> str | None:
-    from wmo_trio.backends.sandbox import sandbox_problem  # the first look starts a sandbox
+    from wmo_trio.backends._sandbox import sandbox_problem  # the first look starts a sandbox
 
     problem = sandbox_problem()
     if problem is None:
@@ -132,8 +150,8 @@ BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
     Backend("e2b", "wmo_trio.backends.e2b:E2BRuntime", "wmo_trio.backends.e2b:E2BSettings",
             abort_is_quick=False, isolated=True, check_may_block=False,
             unavailable=_e2b_unavailable),
-    Backend("sandbox", "wmo_trio.backends.sandbox:SandboxRuntime",
-            "wmo_trio.backends.sandbox:SandboxSettings",
+    Backend("sandbox", "wmo_trio.backends._sandbox:SandboxRuntime",
+            "wmo_trio.backends._sandbox:SandboxSettings",
             abort_is_quick=True, isolated=True, check_may_block=True,
             unavailable=_sandbox_unavailable),
 )}

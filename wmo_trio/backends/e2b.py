@@ -27,7 +27,7 @@ outstanding at a time and every reply echoes its request's `id`.
     {"type": "hello", "protocol": 2, "python": "3.11.7"}  (none; must come first)
                                           {"type": "episode", "spec": object} (the spec, to a
                                            runner started as `portable.py -`: the sandbox
-                                           backend's, `wmo_trio.backends.sandbox`)
+                                           backend's, `wmo_trio.backends._sandbox`)
     {"type": "complete", "id": n, "request": ProviderRequest}
                                           {"type": "completion", "id": n, "response": ProviderResponse
                                            and "turns_left": int}

@@ -18,6 +18,7 @@ from rich.text import Text
 
 import wmo_trio
 from wmo_trio.budgets import DEFAULT_COMMAND_TIMEOUT_SEC, DEFAULT_EPISODE_TIMEOUT_SEC
+from wmo_trio.models import StopReason
 
 LOCAL_ENVIRONMENT = "wmo_trio.harbor:LocalEnvironment"
 AGENT_IMPORT_PATH = "wmo_trio.harbor:WmoTrioHarborAgent"
@@ -148,6 +149,27 @@ def _environment(name: str | None) -> dict[str, Any]:
     return {"type": kind}
 
 
+# The docker-free sandbox's import paths (harbor's name for it and its module's).
+_DOCKER_FREE = frozenset({LOCAL_ENVIRONMENT, "wmo_trio.sandbox:LocalEnvironment"})
+
+
+def _refuse_compose_tasks(tasks: list[Path], datasets: list[Path]) -> None:
+    """`BadInput` naming the tasks whose environment is a Docker Compose file, which the
+    docker-free sandbox cannot run: said before the job, not as a failed trial each."""
+    candidates = tasks + [child for dataset in datasets for child in sorted(dataset.iterdir())
+                          if (child / "task.toml").is_file()]
+    compose = [task.name for task in candidates
+               if (task / "environment" / "docker-compose.yaml").is_file()]
+    if compose:
+        named = ", ".join(compose[:5]) + (f" and {len(compose) - 5} more" if len(compose) > 5
+                                          else "")
+        several = len(compose) > 1
+        raise BadInput(f"{len(compose)} task{'s' if several else ''} need{'' if several else 's'} "
+                       f"Docker Compose ({named}), which the docker-free sandbox does not run: "
+                       "run them with -e docker where a Docker daemon answers, or pass -p with "
+                       "the other tasks only")
+
+
 def build_job_config(options: RunOptions) -> Any:
     """Validate every option, then the harbor `JobConfig`. Raises `BadInput`.
 
@@ -161,6 +183,8 @@ def build_job_config(options: RunOptions) -> Any:
         if value < 1:
             raise BadInput(f"{flag} must be at least 1, got {value}")
     environment = _environment(options.environment)
+    if environment.get("import_path") in _DOCKER_FREE:
+        _refuse_compose_tasks(tasks, datasets)
     name = options.job_name or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
     if (options.jobs_dir / name).exists():
         raise BadInput(f"job directory {options.jobs_dir / name} already exists; pick another "
@@ -206,8 +230,11 @@ class TrialRow:
 
     @property
     def errored(self) -> bool:
-        """Any other exception: the trial broke (infrastructure, the agent, the verifier)."""
-        return self.exception is not None and not self.timed_out
+        """Any other exception (the trial broke: infrastructure, the agent, the verifier),
+        or an episode that ended in ``error`` (the document's code or the episode raised,
+        and the agent still returned): ``compare``'s ``errors`` counts the same."""
+        return ((self.exception is not None and not self.timed_out)
+                or self.stop_reason == StopReason.ERROR)
 
 
 def _seconds(start: str | None, end: str | None) -> float | None:

@@ -11,7 +11,7 @@ The same program runs in both places an episode can run:
 - in an E2B sandbox (`wmo_trio.backends.e2b`), which uploads this very file and starts it
   as `python3 -I portable.py EPISODE_JSON`; the channel is then JSON frames on the
   process's stdin and stdout (`HostChannel`);
-- in a bubblewrap sandbox on this machine (`wmo_trio.backends.sandbox`), started as
+- in a bubblewrap sandbox on this machine (`wmo_trio.backends._sandbox`), started as
   `python3 -I -S portable.py -` before its episode is known: the spec then arrives as the
   host's first frame, `{"type": "episode", "spec": ...}`, so a runner can wait ready.
 

@@ -19,6 +19,7 @@ not enforced and :attr:`HostCgroups.reason` says why.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 import uuid
@@ -26,8 +27,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Self
 
 __all__ = ["HostCgroups", "Limits", "TrialCgroup", "host_cgroups", "remove_stale_cgroups"]
+
+log = logging.getLogger(__name__)
 
 PREFIX = "wmo-trio."
 CPU_PERIOD_US = 100_000
@@ -203,32 +207,42 @@ def _v2_hierarchy(mount_root: str, mount_point: Path, path: str | None,
 
 @dataclass
 class TrialCgroup:
-    """One trial's cgroups (one per hierarchy used), with its limits written."""
+    """One trial's cgroups (one per hierarchy used), with its limits written; none when
+    there is nothing to limit or nowhere to do it. Removed at the end of its ``with``
+    block, once the processes in it were killed."""
 
-    directories: tuple[Path, ...]
+    directories: tuple[Path, ...] = ()
     memory: Path | None = None  # the trial's cgroup in the hierarchy with ``memory``
 
     @classmethod
-    def create(cls, limits: Limits) -> TrialCgroup | None:
-        """Make the cgroups ``limits`` need and write the limits; None when there is
-        nothing to limit or nowhere to do it."""
-        hierarchies = host_cgroups().for_limits(limits)
-        if not hierarchies:
-            return None
+    def create(cls, limits: Limits) -> TrialCgroup:
+        """Make the cgroups ``limits`` need and write the limits."""
         name = f"{PREFIX}{os.getpid()}.{uuid.uuid4().hex[:12]}"
-        made = cls(())
-        try:
-            for hierarchy in hierarchies:
+        made = cls()
+        with contextlib.ExitStack() as on_fail:
+            on_fail.enter_context(made)  # what was made so far goes if a step fails
+            for hierarchy in host_cgroups().for_limits(limits):
                 directory = hierarchy.base / name
                 directory.mkdir()
                 made.directories += (directory,)
                 _write_limits(directory, hierarchy, limits)
                 if "memory" in hierarchy.controllers:
                     made.memory = directory
-        except BaseException:
-            made.remove(patience=0.0)
-            raise
+            on_fail.pop_all()
         return made
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the cgroups (blocks until the kernel emptied them, or a while); one
+        still busy then is left to a later start, with a warning."""
+        if not self.remove():
+            log.warning("the sandbox's cgroup %s was not empty in time; a later start "
+                        "removes it", ", ".join(map(str, self.directories)))
 
     @property
     def procs_files(self) -> tuple[Path, ...]:

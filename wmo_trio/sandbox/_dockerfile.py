@@ -10,17 +10,15 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-__all__ = ["DockerfileError", "Heredoc", "Instruction", "Stage", "build_plan", "expand", "parse"]
+from wmo_trio.sandbox._errors import DockerfileError
+
+__all__ = ["Heredoc", "Instruction", "Stage", "build_plan", "expand", "parse"]
 
 # Instructions that change nothing a running trial sees.
 IGNORED = frozenset({"EXPOSE", "LABEL", "MAINTAINER", "STOPSIGNAL", "HEALTHCHECK", "VOLUME",
                      "ONBUILD"})
 SUPPORTED = frozenset({"FROM", "RUN", "COPY", "ADD", "ENV", "ARG", "WORKDIR", "USER",
                        "ENTRYPOINT", "CMD", "SHELL"}) | IGNORED
-
-
-class DockerfileError(ValueError):
-    """The Dockerfile cannot be read or built here; the message names the line."""
 
 
 @dataclass(frozen=True)
@@ -141,37 +139,52 @@ def _logical_lines(text: str) -> Iterator[tuple[int, str, tuple[Heredoc, ...]]]:
         index += 1
         if not raw or raw.startswith("#"):
             continue
-        parts = []
-        while raw.endswith("\\"):
-            parts.append(raw[:-1])
-            raw = ""
-            while index < len(lines):
-                candidate = lines[index].strip()
-                index += 1
-                if candidate.startswith("#"):
-                    continue  # comments inside a continued instruction are dropped
-                raw = candidate
-                break
-        parts.append(raw)
-        joined = " ".join(part.strip() for part in parts if part.strip())
+        joined, index = _continued(lines, index, raw)
         keyword, _, rest = joined.partition(" ")
-        heredocs: list[Heredoc] = []
+        heredocs: tuple[Heredoc, ...] = ()
         if keyword.upper() in HEREDOC_KEYWORDS and not rest.lstrip().startswith("["):
-            for match in _heredoc_markers(joined):
-                strip_tabs, name = bool(match.group(1)), match.group(3)
-                body = []
-                while True:
-                    if index >= len(lines):
-                        raise DockerfileError(f"line {start + 1}: the here-document {name} "
-                                              f"never ends (no line {name!r} after it)")
-                    line = lines[index]
-                    index += 1
-                    if (line.lstrip("\t") if strip_tabs else line) == name:
-                        break
-                    body.append(line + "\n")
-                heredocs.append(Heredoc(name=name, body="".join(body), marker=match.group(0),
-                                        strip_tabs=strip_tabs, quoted=bool(match.group(2))))
-        yield start + 1, joined, tuple(heredocs)
+            heredocs, index = _heredoc_bodies(lines, index, joined, start + 1)
+        yield start + 1, joined, heredocs
+
+
+def _continued(lines: list[str], index: int, raw: str) -> tuple[str, int]:
+    """The instruction that starts with ``raw``, its backslash continuations joined; and
+    the index of the line after it."""
+    parts = []
+    while raw.endswith("\\"):
+        parts.append(raw[:-1])
+        raw = ""
+        while index < len(lines):
+            candidate = lines[index].strip()
+            index += 1
+            if candidate.startswith("#"):
+                continue  # comments inside a continued instruction are dropped
+            raw = candidate
+            break
+    parts.append(raw)
+    return " ".join(part.strip() for part in parts if part.strip()), index
+
+
+def _heredoc_bodies(lines: list[str], index: int, instruction: str,
+                    line_number: int) -> tuple[tuple[Heredoc, ...], int]:
+    """The here-documents ``instruction`` opens, read from ``lines[index:]`` in the order
+    of its markers; and the index of the line after the last."""
+    heredocs: list[Heredoc] = []
+    for match in _heredoc_markers(instruction):
+        strip_tabs, name = bool(match.group(1)), match.group(3)
+        body = []
+        while True:
+            if index >= len(lines):
+                raise DockerfileError(f"line {line_number}: the here-document {name} "
+                                      f"never ends (no line {name!r} after it)")
+            line = lines[index]
+            index += 1
+            if (line.lstrip("\t") if strip_tabs else line) == name:
+                break
+            body.append(line + "\n")
+        heredocs.append(Heredoc(name=name, body="".join(body), marker=match.group(0),
+                                strip_tabs=strip_tabs, quoted=bool(match.group(2))))
+    return tuple(heredocs), index
 
 
 def parse(text: str) -> list[Instruction]:
@@ -211,6 +224,10 @@ class Stage:
     global_args: Mapping[str, str] = field(default_factory=dict)
 
 
+# A stage as the Dockerfile declares it: (its name or "", the image it names, its body).
+_Declared = tuple[str, str, list[Instruction]]
+
+
 def build_plan(instructions: list[Instruction], build_args: Mapping[str, str]) -> list[Stage]:
     """The stages that make the image, each after the stages it copies from; the last
     one is the image. Stages nothing needs are not built, as under BuildKit.
@@ -218,70 +235,18 @@ def build_plan(instructions: list[Instruction], build_args: Mapping[str, str]) -
     Raises :class:`DockerfileError` for what cannot be built here: ``FROM scratch``, or
     a ``COPY --from`` naming an image rather than a stage of this Dockerfile.
     """
-    declared: list[tuple[str, str, list[Instruction]]] = []  # (name, base, body)
-    global_args: dict[str, str] = {}
-    for instruction in instructions:
-        if instruction.keyword == "FROM":
-            words = instruction.argument.split()
-            if not words:
-                raise DockerfileError(f"{instruction.describe()}: FROM names no image")
-            name = words[2].lower() if len(words) >= 3 and words[1].upper() == "AS" else ""
-            declared.append((name, expand(words[0], global_args).lower(), []))
-        elif not declared:
-            if instruction.keyword != "ARG":
-                raise DockerfileError(f"{instruction.describe()}: only ARG may come before FROM")
-            for arg, default in assignments(instruction, global_args):
-                value = build_args.get(arg, default)
-                if value is not None:
-                    global_args[arg] = value
-        else:
-            declared[-1][2].append(instruction)
-    if not declared:
-        raise DockerfileError("the Dockerfile has no FROM instruction")
+    declared, global_args = _declared_stages(instructions, build_args)
     by_name = {name: index for index, (name, _, _) in enumerate(declared) if name}
-
-    def chain(index: int) -> tuple[str, list[Instruction]]:
-        body: list[Instruction] = []
-        seen = set()
-        while True:
-            _, base, own = declared[index]
-            body[:0] = own
-            if base not in by_name or base in seen:
-                break
-            seen.add(base)
-            index = by_name[base]
-        if base == "scratch":
-            raise DockerfileError("FROM scratch cannot be built here: the host's userland is "
-                                  "the base image of every task")
-        for prefix, lines in DERIVED_BASES.items():
-            if base.startswith(prefix):
-                body[:0] = [replace(step, origin=f"base image {base}") for step in parse(lines)]
-        return base, body
-
-    def source(instruction: Instruction, stage: int) -> int:
-        value = instruction.flags["from"]
-        key = value.lower()
-        index = int(key) if key.isdigit() else by_name.get(key)
-        if index is None:
-            raise DockerfileError(
-                f"{instruction.describe()}: --from={value} names an image, not a stage of this "
-                "Dockerfile; the docker-free environment builds only the Dockerfile's own "
-                "stages (use -e docker for a task that copies from an image)")
-        if index >= stage:
-            raise DockerfileError(f"{instruction.describe()}: --from={value} must name a stage "
-                                  "defined before this one")
-        return index
-
     plan: dict[int, Stage] = {}
 
     def visit(index: int) -> None:
         if index in plan:
             return
-        base, body = chain(index)
+        base, body = _chain(declared, by_name, index)
         steps = []
         for instruction in body:
             if instruction.keyword in ("COPY", "ADD") and "from" in instruction.flags:
-                read = source(instruction, index)
+                read = _copied_stage(instruction, index, by_name)
                 visit(read)
                 instruction = replace(instruction, flags={**instruction.flags, "from": str(read)})
             steps.append(instruction)
@@ -290,6 +255,71 @@ def build_plan(instructions: list[Instruction], build_args: Mapping[str, str]) -
 
     visit(len(declared) - 1)
     return list(plan.values())
+
+
+def _declared_stages(instructions: list[Instruction],
+                     build_args: Mapping[str, str]) -> tuple[list[_Declared], dict[str, str]]:
+    """The stages in the order the Dockerfile declares them, and the ARGs before the
+    first FROM (a build argument given overrides a default)."""
+    declared: list[_Declared] = []
+    global_args: dict[str, str] = {}
+    for instruction in instructions:
+        if instruction.keyword == "FROM":
+            words = instruction.argument.split()
+            if not words:
+                raise DockerfileError(f"{instruction.describe()}: FROM names no image")
+            name = words[2].lower() if len(words) >= 3 and words[1].upper() == "AS" else ""
+            declared.append((name, expand(words[0], global_args).lower(), []))
+        elif declared:
+            declared[-1][2].append(instruction)
+        elif instruction.keyword != "ARG":
+            raise DockerfileError(f"{instruction.describe()}: only ARG may come before FROM")
+        else:
+            for arg, default in assignments(instruction, global_args):
+                value = build_args.get(arg, default)
+                if value is not None:
+                    global_args[arg] = value
+    if not declared:
+        raise DockerfileError("the Dockerfile has no FROM instruction")
+    return declared, global_args
+
+
+def _chain(declared: list[_Declared], by_name: Mapping[str, int],
+           index: int) -> tuple[str, list[Instruction]]:
+    """The image stage ``index`` starts from, at the end of its chain of ``FROM <stage>``,
+    and the instructions of the chain in order (a derived base's own first)."""
+    body: list[Instruction] = []
+    seen = set()
+    while True:
+        _, base, own = declared[index]
+        body[:0] = own
+        if base not in by_name or base in seen:
+            break
+        seen.add(base)
+        index = by_name[base]
+    if base == "scratch":
+        raise DockerfileError("FROM scratch cannot be built here: the host's userland is "
+                              "the base image of every task")
+    for prefix, lines in DERIVED_BASES.items():
+        if base.startswith(prefix):
+            body[:0] = [replace(step, origin=f"base image {base}") for step in parse(lines)]
+    return base, body
+
+
+def _copied_stage(instruction: Instruction, stage: int, by_name: Mapping[str, int]) -> int:
+    """The index of the earlier stage a ``COPY --from`` in stage ``stage`` reads."""
+    value = instruction.flags["from"]
+    key = value.lower()
+    index = int(key) if key.isdigit() else by_name.get(key)
+    if index is None:
+        raise DockerfileError(
+            f"{instruction.describe()}: --from={value} names an image, not a stage of this "
+            "Dockerfile; the docker-free environment builds only the Dockerfile's own "
+            "stages (use -e docker for a task that copies from an image)")
+    if index >= stage:
+        raise DockerfileError(f"{instruction.describe()}: --from={value} must name a stage "
+                              "defined before this one")
+    return index
 
 
 _VARIABLE = re.compile(r"\\\$|\$(?:\{(\w+)(?:(:[-+])([^}]*))?\}|(\w+))")

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fnmatch
+import dataclasses
 import hashlib
-import json
 import logging
-import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -26,24 +24,26 @@ from harbor.models.trial.config import ResourceMode
 from harbor.models.trial.paths import EnvironmentPaths
 from harbor.utils.path_filter import filter_paths_by_patterns
 
-from wmo_trio.sandbox import _storage, _transfer
-from wmo_trio.sandbox._cgroup import Limits, host_cgroups, remove_stale_cgroups
-from wmo_trio.sandbox._dockerfile import DockerfileError
-from wmo_trio.sandbox._hostfs import remove_tree
-from wmo_trio.sandbox._image import Image, ImageCache, ImageConfig, default_cache_dir
-from wmo_trio.sandbox._namespace import (
-    DEFAULT_PATH,
-    Bind,
-    Sandbox,
-    StateDir,
-    default_state_root,
-    missing_tools,
-    remove_stale_states,
-    unavailable,
+from wmo_trio.sandbox import _transfer, _upload
+from wmo_trio.sandbox._build import ImageConfig
+from wmo_trio.sandbox._cgroup import host_cgroups
+from wmo_trio.sandbox._errors import ChannelClosed, DockerfileError, SpawnFailed, unavailable
+from wmo_trio.sandbox._image import Image, ImageCache
+from wmo_trio.sandbox._namespace import Sandbox, missing_tools
+from wmo_trio.sandbox._options import (
+    DEFAULT_PIDS_LIMIT,
+    DEFAULT_SHM_SIZE_MB,
+    Ceilings,
+    EnvironmentOptions,
 )
-from wmo_trio.sandbox._processes import ChannelClosed, SpawnFailed
-from wmo_trio.sandbox._reward import download_reward_files, excluding_rewards
-from wmo_trio.sandbox._rootfs import HostLayers, host_layers
+from wmo_trio.sandbox._overlay import SandboxRoot, container_etc_files
+from wmo_trio.sandbox._profile import DEFAULT_PATH, TRIAL_PROFILE, Bind
+from wmo_trio.sandbox._reward import download_with_rewards
+from wmo_trio.sandbox._rootfs import HostLayers
+from wmo_trio.sandbox._state import StateDir
+from wmo_trio.sandbox._sweep import sweep_and_find_layers
+from wmo_trio.sandbox._threads import made_in_thread
+from wmo_trio.sandbox._transfer import tar_excluded
 
 __all__ = ["LocalEnvironment"]
 
@@ -55,11 +55,6 @@ BUILD_LOG = "sandbox-build.log"
 # What harbor's Docker environment runs as the container's command; an ENTRYPOINT
 # receives it as its arguments.
 KEEPALIVE = ["sh", "-c", "sleep infinity"]
-# A trial's processes (threads count) when the job does not say: far above what builds
-# and test suites use, and a fork bomb in each of several concurrent trials still leaves
-# the host's PIDs (32,768 by default) to the host.
-DEFAULT_PIDS_LIMIT = 1024
-DEFAULT_SHM_SIZE_MB = 64  # Docker's
 # Tasks whose limits this process already said it cannot enforce: once each, not per trial.
 _WARNED_UNENFORCED: set[str] = set()
 # What this process already said once, not per trial: the auto_mounting refusal, and
@@ -71,6 +66,9 @@ AUTO_MOUNTING_REFUSED = (
     "LocalEnvironment refuses --ek auto_mounting=true: the trial would write straight into "
     "world-writable host directories that harbor reads, following the trial's links; leave "
     "it out and harbor copies the logs out of each trial instead")
+COMPOSE_REFUSED = (
+    "LocalEnvironment does not run Docker Compose task environments; use harbor's Docker "
+    "environment (-e docker)")
 
 
 class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
@@ -120,12 +118,11 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         shm_size_mb: int | str = DEFAULT_SHM_SIZE_MB,
         **kwargs: Any,
     ) -> None:
-        self._transfer_limits = _transfer.TransferLimits(
-            max_bytes=int(_positive("download_limit_mb", download_limit_mb,
-                                    _transfer.DEFAULT_DOWNLOAD_LIMIT_MB) * (1 << 20)),
-            timeout_sec=_positive("download_timeout_sec", download_timeout_sec,
-                                  _transfer.DEFAULT_DOWNLOAD_TIMEOUT_SEC),
-        )
+        self._options = EnvironmentOptions.parse(
+            state_dir=state_dir, cache_dir=cache_dir, build_args=build_args,
+            download_limit_mb=download_limit_mb, download_timeout_sec=download_timeout_sec,
+            pids_limit=pids_limit, shm_size_mb=shm_size_mb)
+        self._cache = ImageCache(self._options.cache_dir)
         # Taken from harbor before it sees it: harbor would make the trial's host
         # directories world-writable when it made the environment. Every start of the
         # trial is refused instead, in one line (harbor has no preflight that sees the
@@ -136,26 +133,14 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             if "auto_mounting" not in _SAID_ONCE:
                 _SAID_ONCE.add("auto_mounting")
                 logging.getLogger(__name__).error("%s", AUTO_MOUNTING_REFUSED)
-        self._state_root = Path(state_dir) if state_dir else default_state_root()
-        self._cache = ImageCache(Path(cache_dir) if cache_dir else default_cache_dir())
-        if isinstance(build_args, str):
-            build_args = json.loads(build_args)
-        if build_args is not None and not (
-            isinstance(build_args, Mapping)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in build_args.items())
-        ):
-            raise ValueError("build_args must be a JSON object of strings, e.g. '{\"V\": \"1\"}'")
-        self._build_args = dict(build_args or {})
-        self._pids_limit = _count("pids_limit", pids_limit, minimum=0, zero="no cap")
-        self._shm_size_mb = _count("shm_size_mb", shm_size_mb, minimum=1)
         self._sandbox: Sandbox | None = None
+        # What the running trial holds (its sandbox and directory, the image's and host
+        # layers' leases, its ENTRYPOINT), from its start to its stop.
+        self._held = contextlib.AsyncExitStack()
         self._started = False  # a sandbox ran, whether or not it still does
         self._said_not_started = False
-        self._image: Image | None = None
-        self._host: HostLayers | None = None  # held (leased) from start to stop
         self._config = ImageConfig()
         self._shell = "sh"
-        self._entrypoint_task: asyncio.Task[None] | None = None
         super().__init__(*args, **kwargs)
 
     @staticmethod
@@ -178,49 +163,20 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             cpu_limit=cgroups.offers("cpu"), memory_limit=cgroups.offers("memory"),
             fractional_cpus=True)
 
-    def _limits(self) -> tuple[Limits, int | None]:
-        """The trial's ceilings as harbor resolves them (task.toml's ``cpus`` and
-        ``memory_mb``, overrides, the enforcement policy) and ``pids_limit``, and the
-        bytes its writes may take (``storage_mb``, see ``_storage``); those this machine
-        cannot enforce are dropped, with one warning per task."""
-        cpus = self._resource_limit_value("cpu", auto_mode=ResourceMode.LIMIT)
-        memory_mb = self._resource_limit_value("memory", auto_mode=ResourceMode.LIMIT)
-        pids = self._pids_limit or None
-        cgroups = host_cgroups()
-        unenforced = []
-        if cpus is not None and not cgroups.offers("cpu"):
-            unenforced.append(f"cpus={cpus}")
-            cpus = None
-        if memory_mb is not None and not cgroups.offers("memory"):
-            unenforced.append(f"memory_mb={memory_mb}")
-            memory_mb = None
-        if pids is not None and not cgroups.offers("pids"):
-            unenforced.append(f"pids_limit={pids}")
-            pids = None
-        reasons = [cgroups.reason] if unenforced else []
-        storage_mb = self._effective_storage_mb
-        if storage_mb is not None and not storage_mb > 0:
-            raise ValueError(f"storage_mb must be a positive number of MiB, not {storage_mb!r}")
-        problem = None if storage_mb is None else _storage.problem()
-        if problem is not None:
-            unenforced.append(f"storage_mb={storage_mb}")
-            reasons.append(f"{problem}, so a trial's writes go to the state directory's "
-                           "filesystem without a bound")
-            storage_mb = None
-        if unenforced and self.environment_name not in _WARNED_UNENFORCED:
+    def _ceilings(self) -> Ceilings:
+        """The trial's ceilings as harbor resolves them (task.toml's ``cpus``,
+        ``memory_mb`` and ``storage_mb``, overrides, the enforcement policy) and
+        ``pids_limit``, as this machine holds them; what it cannot is said once per
+        task."""
+        ceilings = Ceilings.held(
+            cpus=self._resource_limit_value("cpu", auto_mode=ResourceMode.LIMIT),
+            memory_mb=self._resource_limit_value("memory", auto_mode=ResourceMode.LIMIT),
+            pids=self._options.pids_limit or None, storage_mb=self._effective_storage_mb)
+        if ceilings.unenforced and self.environment_name not in _WARNED_UNENFORCED:
             _WARNED_UNENFORCED.add(self.environment_name)
             self.logger.warning("%s: %s not enforced: %s", self.environment_name,
-                                " and ".join(unenforced), "; ".join(map(str, reasons)))
-        return (Limits(cpus=None if cpus is None else float(cpus), memory_mb=memory_mb,
-                       pids=pids), None if storage_mb is None else storage_mb << 20)
-
-    def _shm_bytes(self, limits: Limits) -> int:
-        """``/dev/shm``'s size: what it holds counts against memory_mb, and a trial
-        that fills it past that leaves nothing for its processes."""
-        size = self._shm_size_mb << 20
-        if limits.memory_mb is not None:
-            size = min(size, limits.memory_mb << 19)
-        return size
+                                " and ".join(ceilings.unenforced), "; ".join(ceilings.reasons))
+        return ceilings
 
     @classmethod
     def preflight(cls) -> None:
@@ -231,10 +187,10 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
 
     def _validate_definition(self) -> None:
         if (self.environment_dir / "docker-compose.yaml").exists():
-            raise ValueError(
-                "LocalEnvironment does not run Docker Compose task environments; "
-                "use harbor's Docker environment (-e docker)."
-            )
+            # The trial's start is refused, not the environment's making: raised here, it
+            # would end the whole job in harbor's traceback, its other tasks' trials lost.
+            self._refusal = COMPOSE_REFUSED
+            return
         require_agent_environment_definition(
             self.environment_dir, docker_image=self.task_env_config.docker_image
         )
@@ -265,7 +221,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         job_dir = self.trial_paths.trial_dir.parent
         named = [*_job_sources(job_dir / "config.json"), task_dir]
         paths = [*named, *(path.parent for path in named if (path / "task.toml").is_file()),
-                 task_dir.parent, job_dir, job_dir.parent, self._state_root,
+                 task_dir.parent, job_dir, job_dir.parent, self._options.state_root,
                  self._cache.root, Path.cwd()]
         if sys.prefix != sys.base_prefix:  # a base Python is part of the host's userland
             paths.append(Path(sys.prefix))
@@ -289,73 +245,50 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         reason = missing_tools()
         if reason is not None:
             raise unavailable(reason)
-        finding = asyncio.ensure_future(asyncio.to_thread(self._sweep_and_find_layers))
-        try:
-            host = await asyncio.shield(finding)
-        except asyncio.CancelledError:  # the thread goes on: its lease is let go after it
-            finding.add_done_callback(_release_found)
-            raise
-        image: Image | None = None
-        state: StateDir | None = None
-        try:
+        # What the trial holds from here to its stop, in the order it is let go there.
+        async with contextlib.AsyncExitStack() as on_fail:
+            storage = self._effective_storage_mb is not None
+            host = await made_in_thread(lambda: sweep_and_find_layers(
+                self._options.state_root, self._cache, self._hidden_paths(), storage=storage),
+                HostLayers.release)
+            on_fail.callback(host.release)
+            image: Image | None = None
             if (self.environment_dir / "Dockerfile").is_file():
                 if force_build:
                     self.logger.debug("force_build: the cached image is reused; prune the "
                                       "cache (wmo-trio sandbox prune) to rebuild it")
                 image = await self._build_image(host)
+                on_fail.callback(image.release)
                 self._config = image.config
                 self._warn_about_sudo(image)
             elif self.task_env_config.docker_image:
                 self.logger.debug("docker_image %s: the host's userland stands in for it",
                                   self.task_env_config.docker_image)
-            state, binds = await asyncio.to_thread(self._state_and_binds)
+            state, binds = await made_in_thread(self._state_and_binds,
+                                                lambda made: made[0].close())
+            await on_fail.enter_async_context(state)
             hostname = hashlib.sha256(self.session_id.encode()).hexdigest()[:12]
-            etc = {"hostname": f"{hostname}\n",
-                   "hosts": f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
-                            f"127.0.1.1\t{hostname}\n"}
-            if self._network:
-                etc["resolv.conf"] = "nameserver 10.0.2.3\n"
-            limits, storage_bytes = self._limits()
-            self._sandbox = await Sandbox.launch(
-                state=state, host=host, image_layer=image.layer if image else None,
-                network=self._network, hostname=hostname, binds=binds, etc_files=etc,
-                limits=limits, shm_bytes=self._shm_bytes(limits), storage_bytes=storage_bytes,
-            )
-            self._image, self._host = image, host
+            ceilings = self._ceilings()
+            root = SandboxRoot(host, image.layer if image else None, tuple(binds),
+                               container_etc_files(hostname, network=self._network),
+                               ceilings.storage_bytes)
+            profile = dataclasses.replace(TRIAL_PROFILE, limits=ceilings.limits,
+                                          shm_bytes=self._options.shm_bytes(ceilings.limits))
+            on_fail.callback(self._forget_sandbox)  # after it stops, if the start fails
+            self._sandbox = await on_fail.enter_async_context(await Sandbox.launch(
+                state, root, hostname=hostname, network=self._network, profile=profile))
             self._started = True
-            await self._prepare()
-        except BaseException:
-            sandbox, self._sandbox = self._sandbox, None
-            if sandbox is not None:
-                await sandbox.stop()
-            if state is not None:
-                await asyncio.to_thread(state.remove)
-            if image is not None:
-                image.release()
-            host.release()
-            self._image = self._host = None
-            raise
+            await self._prepare(on_fail)
+            self._held = on_fail.pop_all()
         await self._upload_environment_dir_after_start()
 
-    def _sweep_and_find_layers(self) -> HostLayers:
-        """Remove what dead processes left (sandboxes' directories and cgroups, builds'
-        leftovers: here, not only before a build, or they would outlive every job whose
-        images are all built); the host's layers. One thread for all: each hop to a
-        thread costs the start a wait for the loop."""
-        remove_stale_states(self._state_root)
-        remove_stale_cgroups()
-        self._cache.remove_leftovers()
-        if self._effective_storage_mb is not None:
-            _storage.problem()  # found once per process, here rather than on the loop
-        return host_layers(self._cache.root, self._hidden_paths())
-
     def _state_and_binds(self) -> tuple[StateDir, list[Bind]]:
-        state = StateDir.create(self._state_root, self.session_id)
-        try:
-            return state, self._binds()
-        except BaseException:
-            state.remove()
-            raise
+        with contextlib.ExitStack() as on_fail:
+            state = on_fail.enter_context(StateDir.create(self._options.state_root,
+                                                          self.session_id))
+            binds = self._binds()
+            on_fail.pop_all()
+        return state, binds
 
     async def _build_image(self, host: Any) -> Image:
         log_path = self.trial_paths.trial_dir / BUILD_LOG
@@ -364,7 +297,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             try:
                 return await self._cache.ensure(
                     self.environment_dir, host, task_name=self.environment_name,
-                    build_args=self._build_args,
+                    build_args=self._options.build_args,
                     build_timeout_sec=self.task_env_config.build_timeout_sec, log=log,
                     notice=lambda text: self.logger.warning("%s: %s", self.environment_name, text),
                     built_for={"task": str(self.environment_dir.parent),
@@ -408,9 +341,10 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
     def _default_workdir(self) -> str:
         return self.task_env_config.workdir or self._config.workdir or "/"
 
-    async def _prepare(self) -> None:
+    async def _prepare(self, held: contextlib.AsyncExitStack) -> None:
         """Create the working directory and world-writable mount targets (as Docker's
-        start does), pick the shell, start the ENTRYPOINT."""
+        start does), pick the shell, start the ENTRYPOINT (``held`` waits for its end,
+        once the sandbox stopped)."""
         sandbox = self._require_sandbox()
         # Harbor's log directories are there even when harbor named no mounts (it names
         # them for its trials; an environment made on its own gets them too).
@@ -427,9 +361,14 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
             shell_form = entrypoint[: len(shell)] == shell and len(entrypoint) == len(shell) + 1
             argv = entrypoint if shell_form else entrypoint + KEEPALIVE
             log = (self.trial_paths.trial_dir / ENTRYPOINT_LOG).open("a", encoding="utf-8")
-            self._entrypoint_task = asyncio.get_running_loop().create_task(
-                self._run_entrypoint(argv, log)
-            )
+            task = asyncio.get_running_loop().create_task(self._run_entrypoint(argv, log))
+
+            async def ended() -> None:  # the container's main process ends with it
+                await sandbox.stop()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+            held.push_async_callback(ended)
 
     async def _run_entrypoint(self, argv: list[str], log: Any) -> None:
         """The container's main process: it runs until the trial stops. Its output
@@ -449,46 +388,40 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
                     stream_limit=ENTRYPOINT_LOG_LIMIT,
                 )
                 self.logger.debug("the ENTRYPOINT exited with %d", completed.return_code)
-        except Exception as error:  # the trial goes on, as a container whose main process died
-            self.logger.warning("the ENTRYPOINT failed: %s", error)
+        except Exception as error:
+            if sandbox.stopped:  # it ends with the trial, as a container's main process does
+                self.logger.debug("the ENTRYPOINT ended with the trial: %s", error)
+            else:  # the trial goes on, as a container whose main process died
+                self.logger.warning("the ENTRYPOINT failed: %s", error)
 
     async def stop(self, delete: bool) -> None:
         """End every process of the trial; remove its upper directories unless
         ``delete`` is false, in which case they are kept for inspection. Once it
         returns, no process of the trial runs; the directories go in a thread of their
         own meanwhile, which this process waits for at its exit
-        (``wmo_trio.sandbox._namespace.wait_for_removals``).
+        (``wmo_trio.sandbox.wait_for_removals``).
 
         Safe to call twice or without ``start``.
         """
         sandbox, self._sandbox = self._sandbox, None
-        image, self._image = self._image, None
-        host, self._host = self._host, None
-        if sandbox is None:
-            if host is not None:
-                host.release()
-            return
-        try:
+        held, self._held = self._held, contextlib.AsyncExitStack()
+        # Whatever happens here, the rest of what the trial holds is let go at the end,
+        # in the reverse of the start's order: the ENTRYPOINT, the sandbox, its state
+        # directory (removed if not handed on), the image's lease, the host layers'.
+        async with held:
+            if sandbox is None:
+                return
             await sandbox.stop(linger=delete)
-            task, self._entrypoint_task = self._entrypoint_task, None
-            if task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
             if delete:
                 # There too: slirp4netns's exit, and the overlays' unmounting before
                 # their directories go.
-                sandbox.state.remove_later(first=sandbox.finish)
+                sandbox.state.remove_later(first=sandbox.take_leftovers().close)
             else:
-                kept = await asyncio.to_thread(_keep, sandbox.state)
+                kept = await asyncio.to_thread(sandbox.keep_changes)
                 self.logger.info("Kept the trial's filesystem changes in %s", kept)
-        finally:
-            if sandbox.unfinished and not sandbox.state.removing:
-                # A stop that failed: nothing is left behind (off the loop: it waits).
-                await asyncio.to_thread(sandbox.finish)
-            if image is not None:
-                image.release()
-            if host is not None:
-                host.release()
+
+    def _forget_sandbox(self) -> None:
+        self._sandbox = None
 
     def _require_sandbox(self) -> Sandbox:
         if self._sandbox is None:
@@ -553,35 +486,37 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
         """Copy a host file into the trial, owned by root, mode kept. A target that is
         a directory (or ends with ``/``) receives the file under its own name."""
-        await _transfer.upload_file(self._require_sandbox().open_root, Path(source_path),
+        await _upload.upload_file(self._require_sandbox().open_root, Path(source_path),
                                     target_path)
 
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
         """Copy a host directory's contents into ``target_dir`` (created if needed),
         owned by root, modes kept."""
-        await _transfer.upload_dir(self._require_sandbox().open_root, Path(source_dir),
+        await _upload.upload_dir(self._require_sandbox().open_root, Path(source_dir),
                                    target_dir)
 
-    def _never_started(self) -> bool:
-        """Whether there is nothing to copy out because the trial never started (its
-        build failed): said in one line for the trial, since harbor logs a raised error
-        with its traceback and the build's."""
-        if self._sandbox is not None or self._started:
+    def _nothing_to_copy(self) -> bool:
+        """Whether there is nothing to copy out because no sandbox runs: the trial never
+        started (its build failed), or its start failed or was cancelled halfway and its
+        sandbox is gone (harbor then still asks for the logs). Said in one line for the
+        trial, since harbor logs a raised error with its traceback (and the build's)."""
+        if self._sandbox is not None:
             return False
         if not self._said_not_started and self._refusal is None:
-            self.logger.warning("nothing to copy out of %s: its environment did not start",
-                                self.session_id)
+            self.logger.warning("nothing to copy out of %s: its environment %s",
+                                self.session_id,
+                                "has stopped" if self._started else "did not start")
         self._said_not_started = True
         return True
 
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
         """Copy a file out of the trial (within the download limits); the host copy
-        belongs to harbor's user. Nothing is copied (and nothing raised) when the trial
-        never started."""
-        if self._never_started():
+        belongs to harbor's user. Nothing is copied (and nothing raised) when no sandbox
+        runs."""
+        if self._nothing_to_copy():
             return
         await _transfer.download_file(self._require_sandbox().open_root, source_path,
-                                      Path(target_path), self._transfer_limits)
+                                      Path(target_path), self._options.transfer_limits)
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
         """Copy a directory's contents out of the trial into ``target_dir``: what fits
@@ -593,7 +528,7 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         """``download_dir`` without the entries ``exclude`` matches (as tar's
         ``--exclude`` does: any trailing part of a path, a directory with its contents)."""
         await self._download(source_dir, target_dir,
-                             exclude=lambda path: _tar_excluded(path, exclude))
+                             exclude=lambda path: tar_excluded(path, exclude))
 
     async def download_dir_filtered(
         self, *, source_dir: str, target_dir: Path | str,
@@ -610,59 +545,16 @@ class LocalEnvironment(BaseEnvironment):  # type: ignore[misc]
         await self._download(source_dir, target_dir, select=select)
 
     async def _download(self, source_dir: str, target_dir: Path | str,
-                        **options: Any) -> None:
-        if self._never_started():  # nothing to copy, and nothing raised
+                        exclude: Callable[[str], bool] | None = None,
+                        select: Callable[[str], bool] | None = None) -> None:
+        if self._nothing_to_copy():  # nothing to copy, and nothing raised
             return
         # harbor reads the reward files whole: copied apart, bounded (see _reward).
-        rewards = dict(options) if PurePosixPath(source_dir) == EnvironmentPaths.verifier_dir \
-            else None
-        if rewards is not None:
-            options["exclude"] = excluding_rewards(options.get("exclude"))
-        outcome = await _transfer.download_dir(self._require_sandbox().open_root, source_dir,
-                                               Path(target_dir), self._transfer_limits,
-                                               **options)
-        if rewards is not None:
-            for said in await download_reward_files(self._require_sandbox().open_root,
-                                                    source_dir, Path(target_dir), **rewards):
-                self.logger.warning(said)
-        warning = outcome.warning()
-        if warning is not None:
-            self.logger.warning(warning)
-        outcome.check()
-
-
-def _release_found(finding: asyncio.Future[HostLayers]) -> None:
-    if not finding.cancelled() and finding.exception() is None:
-        finding.result().release()
-
-
-def _positive(name: str, value: float | str | None, default: float) -> float:
-    if value is None:
-        return default
-    try:
-        number = float(value)
-    except ValueError:
-        number = -1.0
-    if not number > 0 or number == float("inf"):
-        raise ValueError(f"{name} must be a positive number, not {value!r}")
-    return number
-
-
-def _tar_excluded(path: str, patterns: Sequence[str]) -> bool:
-    parts = path.split("/")
-    return any(fnmatch.fnmatchcase("/".join(parts[index:]), pattern.strip("/"))
-               for index in range(len(parts)) for pattern in patterns)
-
-
-def _count(name: str, value: object, *, minimum: int, zero: str = "") -> int:
-    """A whole-number environment kwarg (harbor's ``--ek`` passes text or JSON)."""
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        meaning = f" ({minimum}: {zero})" if zero else ""
-        raise ValueError(f"{name} must be a whole number >= {minimum}{meaning}, "
-                         f"not {value!r}")
-    return value
+        await download_with_rewards(
+            self._require_sandbox().open_root, source_dir, Path(target_dir),
+            self._options.transfer_limits,
+            rewards=PurePosixPath(source_dir) == EnvironmentPaths.verifier_dir,
+            warn=self.logger.warning, exclude=exclude, select=select)
 
 
 def _job_sources(config_path: Path) -> list[Path]:
@@ -681,18 +573,3 @@ def _job_sources(config_path: Path) -> list[Path]:
     sources = [*config.datasets, *config.tasks]
     return [Path(value).absolute() for source in sources
             for value in (source.path, source.download_dir) if value is not None]
-
-
-def _keep(state: StateDir) -> Path:
-    """Keep a stopped trial's upper directories as ``kept-<name>/`` beside the others,
-    out of reach of the stale-state cleanup, and drop the rest; where they are (with
-    storage_mb, the filesystem image whose ``upper/`` they are)."""
-    kept = state.path.with_name("kept-" + state.path.name)
-    for scratch in ("work", "root", "hidden", "launch.log", _storage.TOP):
-        remove_tree(state.path / scratch)
-    os.rename(state.path, kept)
-    state.path = kept
-    with contextlib.suppress(FileNotFoundError):
-        state.lock_path.unlink()
-    os.close(state.lock_fd)
-    return kept / _storage.IMAGE if (kept / _storage.IMAGE).exists() else kept

@@ -231,32 +231,50 @@ def kill_all(find: Callable[[], set[int]]) -> int:
         if not victims:
             return killed
         killed += len(victims)
-        handles = []
-        for pid in victims:
-            try:
-                handles.append(os.pidfd_open(pid))
-            except ProcessLookupError:
-                pass
+        handles = _pidfds(victims)
         try:
             for sig in (signal.SIGSTOP, signal.SIGKILL):
-                for handle in handles:
-                    try:
-                        signal.pidfd_send_signal(handle, sig)
-                    except ProcessLookupError:
-                        pass
-            # A killed process stays alive until it is scheduled to run its exit, which
-            # takes a while on a busy machine; its pidfd turns readable once it has.
-            pending = handles
-            while pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return killed
-                ready, _, _ = select.select(pending, [], [], left)
-                pending = [handle for handle in pending if handle not in ready]
+                _signal_each(handles, sig)
+            if not _all_exited(handles, deadline):
+                return killed
         finally:
             for handle in handles:
                 os.close(handle)
     return killed
+
+
+def _pidfds(pids: set[int]) -> list[int]:
+    """A pidfd for each of ``pids`` still alive (a pid number could be reused; a pidfd
+    names one process)."""
+    handles = []
+    for pid in pids:
+        try:
+            handles.append(os.pidfd_open(pid))
+        except ProcessLookupError:
+            pass
+    return handles
+
+
+def _signal_each(handles: list[int], sig: int) -> None:
+    for handle in handles:
+        try:
+            signal.pidfd_send_signal(handle, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _all_exited(handles: list[int], deadline: float) -> bool:
+    """Wait until every process of ``handles`` has exited; False once ``deadline`` passes
+    first. A killed process stays alive until it is scheduled to run its exit, which
+    takes a while on a busy machine; its pidfd turns readable once it has."""
+    pending = handles
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        ready, _, _ = select.select(pending, [], [], left)
+        pending = [handle for handle in pending if handle not in ready]
+    return True
 
 
 def prepare(dirs: list[str], shared: list[str]) -> str:

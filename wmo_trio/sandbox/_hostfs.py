@@ -40,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from wmo_trio.sandbox._errors import FileTooLarge
+
 __all__ = [
     "FileTooLarge",
     "kernel_filesystem",
@@ -79,10 +81,6 @@ KERNEL_FILESYSTEMS = {
     0x6165676C: "pstore", 0xF97CFF8C: "selinuxfs", 0x42494E4D: "binfmt_misc",
     0x1CD1: "devpts", 0x65735543: "fusectl",
 }
-
-
-class FileTooLarge(OSError):
-    """A file is larger than the bound its reader allowed."""
 
 
 class _OpenHow(ctypes.Structure):

@@ -13,11 +13,13 @@ import marshal
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-__all__ = ["Channel", "Completed", "OutputCap", "SpawnFailed"]
+from wmo_trio.sandbox._errors import ChannelClosed, SpawnFailed
+
+__all__ = ["Channel", "Completed", "OutputCap", "read_pipe", "wait_readable"]
 
 # After the command exits, how long to wait for EOF on pipes that background processes
 # still hold open (Docker's exec returns at exit too). What the command itself wrote is
@@ -29,18 +31,6 @@ OUTPUT_DRAIN_SEC = 0.25
 KILL_REPORT_SEC = 30.0
 
 OutputCallback = Callable[[str, str], Awaitable[None]]
-
-
-class SpawnFailed(Exception):
-    """The helper could not start the command (unknown user, missing directory...)."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class ChannelClosed(RuntimeError):
-    """The sandbox's helper is gone: the trial was stopped or its processes died."""
 
 
 @dataclass(frozen=True)
@@ -186,88 +176,51 @@ class Channel:
         On timeout the command's processes are killed and :class:`TimeoutError` is
         raised; if cancelled, they are killed before the cancellation propagates.
         """
-        request_id = self._next_id
-        self._next_id += 1
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._waiting[request_id] = queue
         caps = {"stdout": OutputCap(output_limit), "stderr": OutputCap(output_limit)}
-        read_ends: dict[str, int] = {}
-        passed: list[int] = []
-        to_close: list[int] = []
+        with self._request() as (request_id, queue), contextlib.ExitStack() as read_ends:
+            with contextlib.ExitStack() as passed:  # the command's ends: the helper's once sent
+                fds, pipes = _stdio(stdin, stdout, passed, read_ends)
+                await self._send({"op": "spawn", "id": request_id, "argv": list(argv),
+                                  "env": dict(env), "cwd": cwd, "user": user,
+                                  "tag": uuid.uuid4().hex}, fds)
+            streams = [_Stream(fd, name, caps[name], callback,
+                               output_limit if stream_limit is None else stream_limit)
+                       for name, fd in pipes.items()]
+            async with _pumping(streams) as pumps:
+                finished = await self._finished(request_id, queue, timeout_sec)
+                # Until EOF, or for a while if background processes hold the pipes open.
+                await asyncio.wait(pumps, timeout=OUTPUT_DRAIN_SEC)
+                for stream in streams:
+                    stream.finish()
+                await asyncio.wait(pumps)
+        return _completed(int(finished["exit"]), caps)
+
+    async def _finished(self, request_id: int, queue: asyncio.Queue[dict[str, Any]],
+                        timeout_sec: float | None) -> dict[str, Any]:
+        """The helper's report that the command exited. From the moment the request is
+        sent, the command may be running, whether or not its start was read back yet: a
+        timeout or a cancellation in this window kills it too."""
         try:
-            for name, given in (("stdin", stdin), ("stdout", stdout), ("stderr", None)):
-                if given is not None:
-                    passed.append(given if isinstance(given, int) else given.fileno())
-                elif name == "stdin":
-                    null = os.open(os.devnull, os.O_RDONLY)
-                    passed.append(null)
-                    to_close.append(null)
-                else:
-                    read_fd, write_fd = os.pipe()
-                    read_ends[name] = read_fd
-                    passed.append(write_fd)
-                    to_close.append(write_fd)
-            request = {"op": "spawn", "id": request_id, "argv": list(argv), "env": dict(env),
-                       "cwd": cwd, "user": user, "tag": uuid.uuid4().hex}
-            await self._send(request, passed)
-        except BaseException:
-            for fd in [*to_close, *read_ends.values()]:
-                os.close(fd)
-            del self._waiting[request_id]
+            async with asyncio.timeout(timeout_sec or None) as scope:
+                started = await queue.get()
+                if "error" in started:
+                    raise SpawnFailed(started["error"], int(started["code"]))
+                if "closed" in started:
+                    raise ChannelClosed("the sandbox's helper exited")
+                finished = await queue.get()
+        except (SpawnFailed, ChannelClosed):
             raise
-        for fd in to_close:
-            os.close(fd)
-        streams = [_Stream(fd, name, caps[name], callback,
-                           output_limit if stream_limit is None else stream_limit)
-                   for name, fd in read_ends.items()]
-        pumps = [asyncio.get_running_loop().create_task(stream.pump()) for stream in streams]
-        try:
-            # From the moment the request is sent, the command may be running, whether or
-            # not its start was read back yet: a cancellation in this window kills it too.
-            try:
-                async with asyncio.timeout(timeout_sec or None) as scope:
-                    started = await queue.get()
-                    if "error" in started:
-                        raise SpawnFailed(started["error"], int(started["code"]))
-                    if "closed" in started:
-                        raise ChannelClosed("the sandbox's helper exited")
-                    finished = await queue.get()
-            except (SpawnFailed, ChannelClosed):
+        except TimeoutError:
+            if not scope.expired():
                 raise
-            except TimeoutError:
-                if not scope.expired():
-                    raise
-                await self._kill(request_id, queue)
-                raise
-            except BaseException:
-                await self._kill(request_id, queue)
-                raise
-            if "closed" in finished:
-                raise ChannelClosed("the sandbox's helper exited while a command ran")
-            # Until EOF, or for a while if background processes hold the pipes open.
-            await asyncio.wait(pumps, timeout=OUTPUT_DRAIN_SEC)
-            for stream in streams:
-                stream.finish()
-            await asyncio.wait(pumps)
-        finally:
-            for pump in pumps:
-                pump.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
-            for fd in read_ends.values():
-                os.close(fd)
-            self._waiting.pop(request_id, None)
-        code = int(finished["exit"])
-        if code < 0:  # killed by a signal: report it the way a shell would
-            code = 128 - code
-        stderr = caps["stderr"].value()
-        notes = [
-            f"[wmo-trio sandbox: {name} was {cap.total:,} bytes; {cap.dropped:,} bytes in "
-            f"its middle were not kept]\n"
-            for name, cap in caps.items() if cap.dropped
-        ]
-        if notes:
-            stderr += "".join(notes).encode()
-        return Completed(code, caps["stdout"].value(), stderr)
+            await self._kill(request_id, queue)
+            raise
+        except BaseException:
+            await self._kill(request_id, queue)
+            raise
+        if "closed" in finished:
+            raise ChannelClosed("the sandbox's helper exited while a command ran")
+        return finished
 
     async def end_others(self) -> None:
         """End every process of the sandbox but its helper, however it detached; once it
@@ -283,18 +236,24 @@ class Channel:
 
     async def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         """Send a request that has one reply, and return that reply."""
+        with self._request() as (request_id, queue):
+            await self._send({**request, "id": request_id})
+            reply = await queue.get()
+        if "closed" in reply:
+            raise ChannelClosed("the sandbox's helper exited")
+        return reply
+
+    @contextlib.contextmanager
+    def _request(self) -> Iterator[tuple[int, asyncio.Queue[dict[str, Any]]]]:
+        """A new request's id, and the queue its replies arrive on until the block ends."""
         request_id = self._next_id
         self._next_id += 1
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._waiting[request_id] = queue
         try:
-            await self._send({**request, "id": request_id})
-            reply = await queue.get()
+            yield request_id, queue
         finally:
             del self._waiting[request_id]
-        if "closed" in reply:
-            raise ChannelClosed("the sandbox's helper exited")
-        return reply
 
     async def _kill(self, request_id: int, queue: asyncio.Queue[dict[str, Any]]) -> None:
         """Kill a command's process tree and wait until the helper reports it gone;
@@ -316,6 +275,57 @@ class Channel:
         except asyncio.CancelledError:
             await task
             raise
+
+
+def _stdio(stdin: int | IO[bytes] | None, stdout: int | IO[bytes] | None,
+           passed: contextlib.ExitStack, read_ends: contextlib.ExitStack
+           ) -> tuple[list[int], dict[str, int]]:
+    """A command's three standard descriptors: those given, else /dev/null for stdin and
+    a pipe for each captured stream; and the read ends of those pipes, by stream. What
+    was opened here is closed with ``passed`` (the command's ends) and ``read_ends``."""
+    fds: list[int] = []
+    pipes: dict[str, int] = {}
+    for name, given in (("stdin", stdin), ("stdout", stdout), ("stderr", None)):
+        if given is not None:
+            fds.append(given if isinstance(given, int) else given.fileno())
+        elif name == "stdin":
+            fds.append(os.open(os.devnull, os.O_RDONLY))
+            passed.callback(os.close, fds[-1])
+        else:
+            read_fd, write_fd = os.pipe()
+            read_ends.callback(os.close, read_fd)
+            passed.callback(os.close, write_fd)
+            pipes[name] = read_fd
+            fds.append(write_fd)
+    return fds, pipes
+
+
+@contextlib.asynccontextmanager
+async def _pumping(streams: Sequence[_Stream]) -> AsyncIterator[list[asyncio.Task[None]]]:
+    """Each stream pumped by a task of its own until the block ends."""
+    pumps = [asyncio.get_running_loop().create_task(stream.pump()) for stream in streams]
+    try:
+        yield pumps
+    finally:
+        for pump in pumps:
+            pump.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+def _completed(code: int, caps: Mapping[str, OutputCap]) -> Completed:
+    """The command's outcome: a death by signal reported as a shell would, and a note at
+    the end of stderr for each stream whose middle was cut."""
+    if code < 0:
+        code = 128 - code
+    stderr = caps["stderr"].value()
+    notes = [
+        f"[wmo-trio sandbox: {name} was {cap.total:,} bytes; {cap.dropped:,} bytes in "
+        f"its middle were not kept]\n"
+        for name, cap in caps.items() if cap.dropped
+    ]
+    if notes:
+        stderr += "".join(notes).encode()
+    return Completed(code, caps["stdout"].value(), stderr)
 
 
 class _Stream:
@@ -387,6 +397,22 @@ class _Stream:
 def _settle(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+async def read_pipe(fd: int, limit: int) -> bytes:
+    """Read a pipe until EOF (at most ``limit`` bytes) without blocking the loop."""
+    os.set_blocking(fd, False)
+    data = b""
+    while len(data) < limit:
+        try:
+            chunk = os.read(fd, limit - len(data))
+        except BlockingIOError:
+            await wait_readable(fd)
+            continue
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 async def wait_readable(fd: int) -> None:

@@ -5,7 +5,7 @@ own).
 
 Three sandboxes are built from it: a trial's (`TRIAL_PROFILE`, ``_namespace``), its network
 stack's (`NETWORK_STACK_PROFILE`: slirp4netns, ``_namespace``) and a candidate's runner
-(``wmo_trio.backends.sandbox``, a `dataclasses.replace` of `TRIAL_PROFILE` that names what it
+(``wmo_trio.backends._sandbox``, a `dataclasses.replace` of `TRIAL_PROFILE` that names what it
 tightens). What may differ between them is a field; what may not is a rule of
 `bwrap_argv` that no field reaches:
 
@@ -25,6 +25,7 @@ tightens). What may differ between them is a field; what may not is a rule of
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -34,8 +35,22 @@ from typing import Literal
 from wmo_trio.sandbox._cgroup import Limits
 from wmo_trio.sandbox._seccomp import filter_fd, filter_problem
 
-__all__ = ["CAPABILITIES", "DEFAULT_PATH", "MASKED", "NETWORK_STACK_PROFILE", "READ_ONLY", "TRIAL_PROFILE",
-           "Bind", "Profile", "bwrap_argv", "launch_argv", "profile_problem"]
+__all__ = [
+    "CAPABILITIES",
+    "DEFAULT_PATH",
+    "LAUNCH_ATTEMPTS",
+    "MASKED",
+    "NETWORK_STACK_PROFILE",
+    "READ_ONLY",
+    "TRIAL_PROFILE",
+    "Bind",
+    "Profile",
+    "bwrap_argv",
+    "launch_argv",
+    "launch_output",
+    "lost_loopback_race",
+    "profile_problem",
+]
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DOCKER_SHM_BYTES = 64 << 20
@@ -73,6 +88,14 @@ class Bind:
     read_only: bool = False
     device: bool = False
     link: bool = False
+
+    @property
+    def arguments(self) -> list[str]:
+        """bubblewrap's arguments that make it."""
+        if self.link:
+            return ["--symlink", self.source, self.target]
+        option = "--dev-bind" if self.device else "--ro-bind" if self.read_only else "--bind"
+        return [option, self.source, self.target]
 
 
 @dataclass(frozen=True)
@@ -152,32 +175,8 @@ def bwrap_argv(profile: Profile, descriptors: ExitStack, *, command: Sequence[st
     seccomp = filter_fd(profile.capabilities, profile.extra_system_calls)
     descriptors.callback(os.close, seccomp)
     inherited = [seccomp]
-    argv = ["bwrap"]
-    if root is not None:
-        argv += ["--bind", root, "/"]
-    argv += ["--proc", "/proc"]
-    if profile.dev:
-        argv += ["--dev", "/dev",
-                 "--size", str(profile.shm_bytes), "--perms", "1777", "--tmpfs", "/dev/shm"]
-    argv += _masks(descriptors, inherited)
-    if profile.tmp_bytes is not None:
-        argv += ["--size", str(profile.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
-    for bind in binds:
-        if bind.link:
-            argv += ["--symlink", bind.source, bind.target]
-        else:
-            option = "--dev-bind" if bind.device else "--ro-bind" if bind.read_only else "--bind"
-            argv += [option, bind.source, bind.target]
-    for directory in hidden:
-        argv += ["--tmpfs", directory, "--remount-ro", directory]
-    for directory in dirs:
-        argv += ["--dir", directory]
-    if root is None:
-        argv += ["--remount-ro", "/"]
-    if profile.dev:
-        # Last, once mount points are made: /dev is an in-memory filesystem without a
-        # size (Docker's holds 64 MiB), whose files no process frees when memory runs out.
-        argv += ["--remount-ro", "/dev"]
+    argv = ["bwrap", *_mounts(profile, descriptors, inherited, root=root, binds=binds,
+                              hidden=hidden, dirs=dirs)]
     for namespace in sorted(profile.namespaces):
         argv.append(f"--unshare-{namespace}")
     argv += ["--hostname", hostname, "--die-with-parent", "--new-session", "--clearenv"]
@@ -195,6 +194,36 @@ def bwrap_argv(profile: Profile, descriptors: ExitStack, *, command: Sequence[st
     if chdir is not None:
         argv += ["--chdir", chdir]
     return [*argv, *command], inherited
+
+
+def _mounts(profile: Profile, descriptors: ExitStack, inherited: list[int], *,
+            root: str | None, binds: Sequence[Bind], hidden: Sequence[str],
+            dirs: Sequence[str]) -> list[str]:
+    """The arguments that make the sandbox's filesystem (see `bwrap_argv`), in the order
+    bubblewrap must mount them: a remount read-only comes after every mount beneath."""
+    argv = []
+    if root is not None:
+        argv += ["--bind", root, "/"]
+    argv += ["--proc", "/proc"]
+    if profile.dev:
+        argv += ["--dev", "/dev",
+                 "--size", str(profile.shm_bytes), "--perms", "1777", "--tmpfs", "/dev/shm"]
+    argv += _masks(descriptors, inherited)
+    if profile.tmp_bytes is not None:
+        argv += ["--size", str(profile.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
+    for bind in binds:
+        argv += bind.arguments
+    for directory in hidden:
+        argv += ["--tmpfs", directory, "--remount-ro", directory]
+    for directory in dirs:
+        argv += ["--dir", directory]
+    if root is None:
+        argv += ["--remount-ro", "/"]
+    if profile.dev:
+        # Last, once mount points are made: /dev is an in-memory filesystem without a
+        # size (Docker's holds 64 MiB), whose files no process frees when memory runs out.
+        argv += ["--remount-ro", "/dev"]
+    return argv
 
 
 def _masks(descriptors: ExitStack, inherited: list[int]) -> list[str]:
@@ -220,18 +249,36 @@ def _masks(descriptors: ExitStack, inherited: list[int]) -> list[str]:
     return argv
 
 
+# bubblewrap 0.8 now and then fails to give a new network namespace its loopback address
+# (the kernel answers ECHILD under concurrent starts): such a start is tried again, this
+# many times in all.
+LAUNCH_ATTEMPTS = 3
+
+
+def lost_loopback_race(error: str) -> bool:
+    """Whether a launch that failed with ``error`` lost that race, and may be tried
+    again."""
+    return "bwrap: loopback" in error
+
+
+# What keyctl says when a launch joins its new session keyring: not the sandbox's words.
+_KEYCTL_NOTE = "Joined session keyring"
+
+
+def launch_output(text: str) -> list[str]:
+    """The lines a launch (:func:`launch_argv`) wrote to its stderr, less keyctl's own
+    note on joining the session keyring."""
+    return [line for line in text.strip().splitlines() if not line.startswith(_KEYCTL_NOTE)]
+
+
 def launch_argv(bwrap: Sequence[str], *, cgroup_procs: Sequence[Path] = (),
                 before: str = "") -> list[str]:
     """The command that starts ``bwrap`` (from :func:`bwrap_argv`): a shell joins the
     cgroup first (``cgroup_procs``: its ``cgroup.procs`` files, so bubblewrap and all it
     starts follow), runs ``before`` (a shell command), then bubblewrap in a new
     anonymous session keyring."""
-    steps = [f"echo $$ > {_quote(str(path))}" for path in cgroup_procs]
+    steps = [f"echo $$ > {shlex.quote(str(path))}" for path in cgroup_procs]
     if before:
         steps.append(before)
     steps.append('exec keyctl session - "$@"')
     return ["sh", "-c", " && ".join(steps), "sh", *bwrap]
-
-
-def _quote(word: str) -> str:
-    return "'" + word.replace("'", "'\"'\"'") + "'"

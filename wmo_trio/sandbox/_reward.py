@@ -35,8 +35,10 @@ from wmo_trio.sandbox._hostfs import (
     openat2,
     replace_beneath,
 )
+from wmo_trio.sandbox._transfer import TransferLimits, download_dir
 
-__all__ = ["REWARD_FILES", "REWARD_FILE_LIMIT", "download_reward_files", "excluding_rewards"]
+__all__ = ["REWARD_FILES", "REWARD_FILE_LIMIT", "download_reward_files", "download_with_rewards",
+           "excluding_rewards"]
 
 REWARD_FILES = ("reward.txt", "reward.json")
 REWARD_FILE_LIMIT = 1 << 20
@@ -142,6 +144,28 @@ async def download_reward_files(open_root: Callable[[], int], source_dir: str,
         return warnings
 
     return await asyncio.to_thread(run)
+
+
+async def download_with_rewards(open_root: Callable[[], int], source_dir: str, target_dir: Path,
+                                limits: TransferLimits, *, rewards: bool,
+                                warn: Callable[[str], None],
+                                exclude: Callable[[str], bool] | None = None,
+                                select: Callable[[str], bool] | None = None) -> None:
+    """Copy the trial's directory ``source_dir`` into ``target_dir`` (as
+    ``_transfer.download_dir``), its reward files apart when ``rewards`` (the verifier's
+    directory); each warning to ``warn``. Raises ``TransferIncomplete`` once whatever
+    fitted is copied, if anything was left out."""
+    copied_apart = excluding_rewards(exclude) if rewards else exclude
+    outcome = await download_dir(open_root, source_dir, target_dir, limits,
+                                 exclude=copied_apart, select=select)
+    if rewards:
+        for said in await download_reward_files(open_root, source_dir, target_dir,
+                                                exclude=exclude, select=select):
+            warn(said)
+    warning = outcome.warning()
+    if warning is not None:
+        warn(warning)
+    outcome.check()
 
 
 def _write_all(fd: int, *, data: bytes) -> None:

@@ -197,6 +197,13 @@ def make_hiding_layer(target: Path, entries: Iterable[str]) -> None:
 
 def _build(target: Path, system: tuple[str, ...]) -> None:
     skeleton, mask = target / "skeleton", target / "mask"
+    _skeleton(skeleton, mask, system)
+    _mask(mask, system)
+
+
+def _skeleton(skeleton: Path, mask: Path, system: tuple[str, ...]) -> None:
+    """The root's own directories: the empty ones an image has, each system directory
+    (a link where the host's is one) and its place in the mask."""
     skeleton.mkdir(parents=True)
     for name, mode in EMPTY_DIRECTORIES.items():
         (skeleton / name).mkdir()
@@ -208,6 +215,11 @@ def _build(target: Path, system: tuple[str, ...]) -> None:
         elif name in system:
             (skeleton / name).mkdir(mode=0o755)
             (mask / name).mkdir(parents=True, exist_ok=True)
+
+
+def _mask(mask: Path, system: tuple[str, ...]) -> None:
+    """What the mask layer hides or changes of the host's system directories, so they
+    look like an image's."""
     for relative, mode in EMPTIED.items():
         if relative.split("/")[0] in system and Path("/", relative).is_dir():
             _opaque_dir(mask / relative, mode)
@@ -219,13 +231,18 @@ def _build(target: Path, system: tuple[str, ...]) -> None:
     # index after every package a build or a trial installs, seconds of CPU each time.
     if "var" in system and os.path.lexists(MAN_DB_AUTO_UPDATE):
         _whiteout(mask / MAN_DB_AUTO_UPDATE.lstrip("/"))
-    # Python images have `python`; Debian has it only with python-is-python3.
-    python3 = shutil.which("python3", path="/usr/local/bin:/usr/bin")
-    if "usr" in system and python3 and not shutil.which("python", path="/usr/local/bin:/usr/bin"):
-        (mask / "usr/local/bin").mkdir(parents=True, exist_ok=True)
-        (mask / "usr/local/bin/python").symlink_to(python3)
+    if "usr" in system:
+        _python_alias(mask)
     if "etc" in system:
         _system_accounts(mask)
+
+
+def _python_alias(mask: Path) -> None:
+    """Python images have `python`; Debian has it only with python-is-python3."""
+    python3 = shutil.which("python3", path="/usr/local/bin:/usr/bin")
+    if python3 and not shutil.which("python", path="/usr/local/bin:/usr/bin"):
+        (mask / "usr/local/bin").mkdir(parents=True, exist_ok=True)
+        (mask / "usr/local/bin/python").symlink_to(python3)
 
 
 def _login_range(prefix: str) -> range:

@@ -1,4 +1,5 @@
-"""Copying files and directories in and out of a sandbox, by the host alone.
+"""Copying files and directories out of a sandbox, by the host alone (the copy in:
+:mod:`wmo_trio.sandbox._upload`, under the same rules).
 
 No program of the trial's root takes part: a trial may have replaced its ``tar``,
 ``cat`` or ``sh``. The host reaches the trial's files through its root
@@ -17,16 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import errno
+import fnmatch
 import os
-import posixpath
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from wmo_trio.sandbox._errors import TransferIncomplete
 from wmo_trio.sandbox._hostfs import (
     kernel_filesystem,
     link_stays_inside,
@@ -42,12 +45,10 @@ from wmo_trio.sandbox._hostfs import (
 __all__ = [
     "DEFAULT_DOWNLOAD_LIMIT_MB",
     "DEFAULT_DOWNLOAD_TIMEOUT_SEC",
-    "TransferIncomplete",
     "TransferLimits",
     "download_dir",
     "download_file",
-    "upload_dir",
-    "upload_file",
+    "tar_excluded",
 ]
 
 DEFAULT_DOWNLOAD_LIMIT_MB = 1024
@@ -63,7 +64,7 @@ MAX_RELATIVE_PATH = 2048
 MAX_DEPTH = 256
 LISTED_LEFT_OUT = 10
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV)
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY
 # Read with the host's credentials, such files say more than the trial may know.
 _KERNEL_FILE = "it is on the kernel's {} filesystem, which the host does not read for a trial"
 
@@ -78,16 +79,15 @@ class TransferLimits:
     timeout_sec: float = DEFAULT_DOWNLOAD_TIMEOUT_SEC
 
 
-class TransferIncomplete(RuntimeError):
-    """A copy left something out: the message says what, why, and how to raise the
-    bound. Whatever fitted was copied."""
+class Stopped(Exception):
+    """A copy ended early: ``cancelled``, ``time`` (its time limit) or ``cap`` (its size
+    cap)."""
 
 
-class _Stopped(Exception):
-    pass
+class Budget:
+    """What one copy may still spend: bytes under its limits' cap, time before their
+    deadline (no limits: no bound); and whether its caller was cancelled."""
 
-
-class _Budget:
     def __init__(self, limits: TransferLimits | None, cancelled: threading.Event) -> None:
         self.limits = limits
         self.deadline = None if limits is None else time.monotonic() + limits.timeout_sec
@@ -96,9 +96,9 @@ class _Budget:
 
     def check(self) -> None:
         if self.cancelled.is_set():
-            raise _Stopped("cancelled")
+            raise Stopped("cancelled")
         if self.deadline is not None and time.monotonic() > self.deadline:
-            raise _Stopped("time")
+            raise Stopped("time")
 
     def fits(self, cost: int) -> bool:
         return self.limits is None or self.used + cost <= self.limits.max_bytes
@@ -159,7 +159,9 @@ class Outcome:
                 + (f" and {more} more" if more > 0 else ""))
 
 
-async def _in_thread(function: Callable[[], None], *, cancelled: threading.Event) -> None:
+async def in_thread(function: Callable[[], None], *, cancelled: threading.Event) -> None:
+    """Run a copy in a worker thread. Cancelled, it sets ``cancelled`` and returns at
+    once; the thread stops at its next check."""
     try:
         await asyncio.to_thread(function)
     except asyncio.CancelledError:
@@ -171,7 +173,7 @@ def _blocks(size: int) -> int:
     return max(BLOCK, -(-size // BLOCK) * BLOCK)
 
 
-def _copy_data(source_fd: int, target_fd: int, size: int, budget: _Budget) -> None:
+def copy_data(source_fd: int, target_fd: int, size: int, budget: Budget) -> None:
     """Copy at most ``size`` bytes (a file growing meanwhile is cut where it was)."""
     offset = 0
     while offset < size:
@@ -190,7 +192,7 @@ def _copy_data(source_fd: int, target_fd: int, size: int, budget: _Budget) -> No
         offset += sent
 
 
-def _copy_file(source_dir: int, name: str, target_dir: int, budget: _Budget,
+def _copy_file(source_dir: int, name: str, target_dir: int, budget: Budget,
                limit: int | None) -> str | None:
     """Copy the regular file ``name``; why it was not copied, or None."""
     try:
@@ -216,7 +218,7 @@ def _copy_file(source_dir: int, name: str, target_dir: int, budget: _Budget,
             return f"{info.st_size:,} bytes, over what the download cap had left"
 
         def write(target_fd: int) -> None:
-            _copy_data(fd, target_fd, info.st_size, budget)
+            copy_data(fd, target_fd, info.st_size, budget)
             os.utime(target_fd, ns=(info.st_atime_ns, info.st_mtime_ns))
 
         try:
@@ -247,7 +249,7 @@ class _Download:
     needed (harbor's filtered download); ``exclude`` prunes entries and directories
     (tar's ``--exclude``)."""
 
-    def __init__(self, outcome: Outcome, budget: _Budget,
+    def __init__(self, outcome: Outcome, budget: Budget,
                  exclude: Callable[[str], bool] | None,
                  select: Callable[[str], bool] | None) -> None:
         self.outcome = outcome
@@ -258,18 +260,18 @@ class _Download:
 
     def run(self, root_fd: int) -> None:
         try:
-            source_top = open_in_root(root_fd, self.outcome.source, _DIR_FLAGS)
+            source_top = open_in_root(root_fd, self.outcome.source, DIR_FLAGS)
         except OSError as error:
             if error.errno in _GONE:
                 raise FileNotFoundError(f"no such directory: {self.outcome.source}") from None
             raise
         try:
             self.outcome.target.mkdir(parents=True, exist_ok=True)
-            target_top = os.open(self.outcome.target, _DIR_FLAGS | os.O_CLOEXEC)
+            target_top = os.open(self.outcome.target, DIR_FLAGS | os.O_CLOEXEC)
             try:
                 while self.pending:
                     self._directory(source_top, target_top, self.pending.popleft())
-            except _Stopped as stop:
+            except Stopped as stop:
                 if str(stop) == "cancelled":
                     raise
                 self.outcome.stopped = str(stop)
@@ -280,59 +282,67 @@ class _Download:
 
     def _directory(self, source_top: int, target_top: int, relative: str) -> None:
         try:
-            source = open_beneath(source_top, relative or ".", _DIR_FLAGS)
+            source = open_beneath(source_top, relative or ".", DIR_FLAGS)
         except OSError as error:
             if error.errno not in _GONE:
                 raise
             self.outcome.left_out.append((relative, "it changed while it was copied"))
             return
-        target = -1
-        try:
+        with contextlib.ExitStack() as held:
+            held.callback(os.close, source)
             kernel = kernel_filesystem(source)
             if kernel is not None:
                 self.outcome.left_out.append((relative or ".", _KERNEL_FILE.format(kernel)))
                 return
+            target = _TargetDirectory(target_top, relative, held)
             if self.select is None:  # every directory comes out, empty ones too
-                target = _open_tree(target_top, relative)
+                target.fd()
             with os.scandir(source) as entries:
                 for entry in entries:
                     self.budget.check()
                     path = f"{relative}/{entry.name}" if relative else entry.name
-                    if self.exclude is not None and self.exclude(path):
-                        continue
-                    if len(os.fsencode(path)) > MAX_RELATIVE_PATH:
-                        self.outcome.left_out.append(
-                            (path[:80] + "...", f"its path is longer than {MAX_RELATIVE_PATH} bytes"))
-                        continue
-                    mode = entry.stat(follow_symlinks=False).st_mode
-                    if stat.S_ISDIR(mode):
-                        if path.count("/") + 1 > MAX_DEPTH:
-                            self.outcome.left_out.append(
-                                (path[:80] + "...", f"it is more than {MAX_DEPTH} directories "
-                                 "deep, which harbor's own tools cannot walk"))
-                            continue
-                        if self.select is None:
-                            self._take(BLOCK)
-                        self.pending.append(path)
-                    elif stat.S_ISLNK(mode) and self.select is None:
-                        self._link(source, target, entry.name, path)
-                    elif stat.S_ISREG(mode) and (self.select is None or self.select(path)):
-                        if not self.budget.fits(BLOCK):
-                            raise _Stopped("cap")
-                        if target < 0:
-                            target = _open_tree(target_top, relative)
-                        self._file(source, target, entry.name, path)
-                    # FIFOs, sockets and devices carry no content: skipped, as harbor's
-                    # own transfers skip them (and links, in a filtered download).
-        finally:
-            os.close(source)
-            if target >= 0:
-                os.close(target)
+                    if self._admitted(path):
+                        self._entry(source, target, entry, path)
+
+    def _admitted(self, path: str) -> bool:
+        """Whether ``path`` is copied at all: not excluded, and not too long a path."""
+        if self.exclude is not None and self.exclude(path):
+            return False
+        if len(os.fsencode(path)) > MAX_RELATIVE_PATH:
+            self.outcome.left_out.append(
+                (path[:80] + "...", f"its path is longer than {MAX_RELATIVE_PATH} bytes"))
+            return False
+        return True
+
+    def _entry(self, source: int, target: _TargetDirectory, entry: os.DirEntry[str],
+               path: str) -> None:
+        mode = entry.stat(follow_symlinks=False).st_mode
+        if stat.S_ISDIR(mode):
+            self._subdirectory(path)
+        elif stat.S_ISLNK(mode) and self.select is None:
+            self._link(source, target.fd(), entry.name, path)
+        elif stat.S_ISREG(mode) and (self.select is None or self.select(path)):
+            if not self.budget.fits(BLOCK):
+                raise Stopped("cap")
+            self._file(source, target.fd(), entry.name, path)
+        # FIFOs, sockets and devices carry no content: skipped, as harbor's own
+        # transfers skip them (and links, in a filtered download).
+
+    def _subdirectory(self, path: str) -> None:
+        """Queue the directory ``path``, breadth first, unless it is too deep."""
+        if path.count("/") + 1 > MAX_DEPTH:
+            self.outcome.left_out.append(
+                (path[:80] + "...", f"it is more than {MAX_DEPTH} directories "
+                 "deep, which harbor's own tools cannot walk"))
+            return
+        if self.select is None:
+            self._take(BLOCK)
+        self.pending.append(path)
 
     def _take(self, cost: int) -> None:
         """Charge ``cost``; once it does not fit, the copy ends here."""
         if not self.budget.take(cost):
-            raise _Stopped("cap")
+            raise Stopped("cap")
 
     def _link(self, source: int, target: int, name: str, path: str) -> None:
         link = os.readlink(name, dir_fd=source)
@@ -355,6 +365,32 @@ class _Download:
             self.outcome.left_out.append((path, why))
 
 
+class _TargetDirectory:
+    """The host directory a copied directory's entries go to, made and opened when first
+    needed (a filtered download makes only the directories its files are in) and closed
+    with ``held``."""
+
+    def __init__(self, target_top: int, relative: str, held: contextlib.ExitStack) -> None:
+        self._top = target_top
+        self._relative = relative
+        self._held = held
+        self._fd: int | None = None
+
+    def fd(self) -> int:
+        if self._fd is None:
+            self._fd = _open_tree(self._top, self._relative)
+            self._held.callback(os.close, self._fd)
+        return self._fd
+
+
+def tar_excluded(path: str, patterns: Sequence[str]) -> bool:
+    """Whether tar's ``--exclude`` patterns leave out ``path``: a pattern matches any
+    trailing part of it."""
+    parts = path.split("/")
+    return any(fnmatch.fnmatchcase("/".join(parts[index:]), pattern.strip("/"))
+               for index in range(len(parts)) for pattern in patterns)
+
+
 async def download_dir(open_root: Callable[[], int], source: str, target: Path,
                        limits: TransferLimits,
                        exclude: Callable[[str], bool] | None = None,
@@ -372,11 +408,11 @@ async def download_dir(open_root: Callable[[], int], source: str, target: Path,
     def run() -> None:
         root_fd = open_root()
         try:
-            _Download(outcome, _Budget(limits, cancelled), exclude, select).run(root_fd)
+            _Download(outcome, Budget(limits, cancelled), exclude, select).run(root_fd)
         finally:
             os.close(root_fd)
 
-    await _in_thread(run, cancelled=cancelled)
+    await in_thread(run, cancelled=cancelled)
     return outcome
 
 
@@ -389,7 +425,7 @@ async def download_file(open_root: Callable[[], int], source: str, target: Path,
     cancelled = threading.Event()
 
     def run() -> None:
-        budget = _Budget(limits, cancelled)
+        budget = Budget(limits, cancelled)
         root_fd = open_root()
         try:
             try:
@@ -416,14 +452,14 @@ async def download_file(open_root: Callable[[], int], source: str, target: Path,
                     f"download of {source}: {info.st_size:,} bytes, over the download cap "
                     f"of {limits.max_bytes >> 20} MB (raise it with --ek download_limit_mb=N)")
             target.parent.mkdir(parents=True, exist_ok=True)
-            parent = os.open(target.parent, _DIR_FLAGS | os.O_CLOEXEC)
+            parent = os.open(target.parent, DIR_FLAGS | os.O_CLOEXEC)
             try:
                 replace_beneath(parent, target.name,
-                                lambda out: _copy_data(fd, out, info.st_size, budget),
+                                lambda out: copy_data(fd, out, info.st_size, budget),
                                 safe_mode(info.st_mode))
             finally:
                 os.close(parent)
-        except _Stopped as stop:
+        except Stopped as stop:
             if str(stop) == "cancelled":
                 raise
             raise TransferIncomplete(
@@ -432,154 +468,4 @@ async def download_file(open_root: Callable[[], int], source: str, target: Path,
         finally:
             os.close(fd)
 
-    await _in_thread(run, cancelled=cancelled)
-
-
-# ---------------------------------------------------------------------- into the trial
-
-
-def _make_dirs_in_root(root_fd: int, path: str) -> int:
-    """``mkdir -p`` of ``path`` as the trial sees it (its links followed inside its
-    root); a descriptor of the directory. Directories made here are root's, mode 755."""
-    parts = [part for part in path.split("/") if part not in ("", ".")]
-    fd = open_in_root(root_fd, "/", _DIR_FLAGS)
-    for index, part in enumerate(parts):
-        prefix = "/".join(parts[: index + 1])
-        made = False
-        try:
-            child = open_in_root(root_fd, prefix, _DIR_FLAGS)
-        except FileNotFoundError:
-            try:
-                os.mkdir(part, 0o755, dir_fd=fd)
-                made = True
-            except FileExistsError:
-                pass
-            child = open_in_root(root_fd, prefix, _DIR_FLAGS)
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-        fd = child
-        if made:
-            os.fchmod(fd, 0o755)
-    return fd
-
-
-def _write_from(source_fd: int, size: int, mode: int, mtime_ns: int,
-                cancelled: threading.Event) -> Callable[[int], None]:
-    def write(target_fd: int) -> None:
-        _copy_data(source_fd, target_fd, size, _Budget(None, cancelled))
-        os.fchown(target_fd, 0, 0)
-        os.utime(target_fd, ns=(mtime_ns, mtime_ns))
-
-    return write
-
-
-async def upload_file(open_root: Callable[[], int], source: Path, target: str) -> None:
-    """Copy a host file in, owned by root, mode kept. A target that is a directory (or
-    ends with ``/``) receives the file under its own name; missing parent directories
-    are made."""
-    cancelled = threading.Event()
-
-    def run() -> None:
-        with source.open("rb") as handle:
-            info = os.fstat(handle.fileno())
-            root_fd = open_root()
-            try:
-                name = source.name
-                if target.endswith("/"):
-                    directory = _make_dirs_in_root(root_fd, target)
-                else:
-                    try:
-                        directory = open_in_root(root_fd, target, _DIR_FLAGS)
-                    except OSError as error:
-                        if error.errno not in (errno.ENOENT, errno.ENOTDIR):
-                            raise
-                        parent, name = posixpath.split(posixpath.normpath("/" + target))
-                        directory = _make_dirs_in_root(root_fd, parent)
-            finally:
-                os.close(root_fd)
-            try:
-                mode = stat.S_IMODE(info.st_mode)
-                replace_beneath(directory, name,
-                                _write_from(handle.fileno(), info.st_size, mode,
-                                            info.st_mtime_ns, cancelled), mode)
-            finally:
-                os.close(directory)
-
-    await _in_thread(run, cancelled=cancelled)
-
-
-def _upload_tree(source_top: int, target_top: int, cancelled: threading.Event) -> None:
-    pending: collections.deque[str] = collections.deque([""])
-    while pending:
-        relative = pending.popleft()
-        source = open_beneath(source_top, relative or ".", _DIR_FLAGS)
-        try:
-            target = open_beneath(target_top, relative or ".", _DIR_FLAGS)
-        except BaseException:
-            os.close(source)
-            raise
-        try:
-            with os.scandir(source) as entries:
-                for entry in sorted(entries, key=lambda e: e.name):
-                    if cancelled.is_set():
-                        raise _Stopped("cancelled")
-                    info = entry.stat(follow_symlinks=False)
-                    path = f"{relative}/{entry.name}" if relative else entry.name
-                    if stat.S_ISDIR(info.st_mode):
-                        made = make_dir_beneath(target, entry.name, 0o755)
-                        try:
-                            os.fchmod(made, stat.S_IMODE(info.st_mode))
-                            os.fchown(made, 0, 0)
-                        finally:
-                            os.close(made)
-                        pending.append(path)
-                    elif stat.S_ISLNK(info.st_mode):
-                        replace_link_beneath(target, entry.name,
-                                             os.readlink(entry.name, dir_fd=source))
-                    elif stat.S_ISREG(info.st_mode):
-                        path_fd = open_beneath(source, entry.name, os.O_PATH)
-                        try:
-                            fd = open_regular(path_fd)
-                        finally:
-                            os.close(path_fd)
-                        if fd is None:
-                            continue
-                        try:
-                            mode = stat.S_IMODE(info.st_mode)
-                            replace_beneath(target, entry.name,
-                                            _write_from(fd, info.st_size, mode,
-                                                        info.st_mtime_ns, cancelled), mode)
-                        finally:
-                            os.close(fd)
-        finally:
-            os.close(source)
-            os.close(target)
-
-
-async def upload_dir(open_root: Callable[[], int], source: Path, target: str) -> None:
-    """Copy a host directory's contents into ``target`` (made if needed), owned by
-    root, modes kept, replacing files there. Links in ``source`` are copied as links,
-    never followed."""
-    cancelled = threading.Event()
-
-    def run() -> None:
-        try:
-            source_top = os.open(source, _DIR_FLAGS | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
-            raise FileNotFoundError(f"{source} is not a directory") from None
-        try:
-            root_fd = open_root()
-            try:
-                target_top = _make_dirs_in_root(root_fd, target)
-            finally:
-                os.close(root_fd)
-            try:
-                _upload_tree(source_top, target_top, cancelled)
-            finally:
-                os.close(target_top)
-        finally:
-            os.close(source_top)
-
-    await _in_thread(run, cancelled=cancelled)
+    await in_thread(run, cancelled=cancelled)
