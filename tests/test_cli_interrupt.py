@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import pty
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from processes import running
 
 pytestmark = pytest.mark.harbor  # real harbor jobs, in subprocesses
 
@@ -135,6 +138,30 @@ def test_ctrl_c_while_trials_run_is_exit_130_one_line_and_every_trace(tmp_path: 
         assert json_file(trial / "result.json").get("finished_at")
     # harbor itself leaves an interrupted job's finished_at unset.
     assert json_file(job / "result.json").get("finished_at")
+    assert run.group_is_gone()
+
+
+def test_ctrl_c_while_environments_start_is_one_line_too(tmp_path: Path) -> None:
+    """Before: a line a trial besides the command's ("nothing to copy out of ...: its
+    environment did not start", harbor's "Failed to download logs" with a traceback)."""
+    task = tmp_path / "tasks" / "slow-build"
+    shutil.copytree(TASKS / "hello-file", task)
+    building = f"sleep 3599.{secrets.randbelow(10**6):06d}"  # this run's own
+    with (task / "environment" / "Dockerfile").open("a") as dockerfile:
+        dockerfile.write(f"RUN {building}\n")  # its build runs until the Ctrl-C
+    run = Terminal("run", "-p", str(task), "-k", "2", "-n", "2", "--job-name", "job",
+                   "-e", "wmo_trio.harbor:LocalEnvironment", cwd=tmp_path)
+    run.wait_for_output("now: 2 starting its environment")
+    run.wait_until(lambda: running(building), "the image's build under way")
+    run.interrupt()
+    code, err = run.end()
+    # harbor's job shows its records on the terminal while it runs, logging's last resort
+    # after: neither shows a cancelled trial's cleanup.
+    assert "nothing to copy out" not in run.written + err, run.written[-2000:]
+    assert code == 130, err
+    assert err.splitlines() == [
+        "wmo-trio: interrupted: 0 trials finished, 2 cancelled (before their agent ran: no "
+        f"trace); job directory: {(tmp_path / 'jobs' / 'job').resolve()}"], err
     assert run.group_is_gone()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -48,6 +49,7 @@ async def cancelled_on_interrupt(
                     if interrupt.received:
                         leave()
                     interrupt.received = True
+                    _quiet_cleanup()
                     on_first()
                     body.cancel()
 
@@ -55,6 +57,23 @@ async def cancelled_on_interrupt(
             with body:
                 yield interrupt
             nursery.cancel_scope.cancel()
+
+
+def _quiet_cleanup() -> None:
+    """After a Ctrl-C, each trial's cleanup warns of what a cancelled trial lacks (nothing
+    to copy out of an environment that did not start, logs not downloaded), a line a
+    trial; the command's one line says it all. Every handler that shows records on the
+    terminal (harbor's job adds one; logging's last resort shows the rest) shows errors
+    only from here on; the job's and trials' log files keep everything."""
+    named = logging.Logger.manager.loggerDict.values()
+    loggers = [logging.getLogger(), *(one for one in named if isinstance(one, logging.Logger))]
+    consoles: list[logging.Handler] = [
+        handler for logger in loggers for handler in logger.handlers
+        if type(handler) is logging.StreamHandler]  # a FileHandler is a subclass: kept
+    if logging.lastResort is not None:
+        consoles.append(logging.lastResort)
+    for handler in consoles:
+        handler.setLevel(max(handler.level, logging.ERROR))
 
 
 def only_interrupts(error: BaseException) -> bool:
