@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from processes import command_lines_of, descendants, wait_until_gone
 from support.race import (
     assert_reads_as_the_race_so_far,
@@ -29,12 +30,14 @@ from support.race import (
     interrupted_race,
     make_tasks,
     race_args,
+    research_tasks,
 )
 from typer.testing import CliRunner
 
 from wmo_trio.cli import app
 from wmo_trio.compare import load_jobs
-from wmo_trio.race import RaceReport
+from wmo_trio.harness import load_harness
+from wmo_trio.race import RaceReport, race
 from wmo_trio.race._harbor import read_race
 
 TASKS = 10
@@ -204,3 +207,27 @@ def test_a_ray_cluster_that_does_not_answer_is_one_line_before_any_trial(
     assert line.startswith("wmo-trio: the Ray cluster at 127.0.0.1:1 cannot be reached")
     assert not (tmp_path / "jobs").exists()
 
+
+@pytest.mark.slow
+async def test_the_research_race_on_two_workers_reaches_the_same_report(tmp_path: Path) -> None:
+    """`race(..., workers=2)`: its episodes on an embedded Ray's worker processes, each
+    scored here in the directory it wrote (a `DirectoryEnvironment` on this machine)."""
+    pids = tmp_path / "pids"
+    docs = [load_harness(candidate(tmp_path, name, rate, answer="answer.txt", pids=pids))
+            for name, rate in (("good", 1.0), ("poor", 0.0), ("also-poor", 0.0))]
+    provider = {"kind": "scripted", "model": "offline"}
+    alone = await race(docs, research_tasks(tmp_path / "alone", 12), provider=provider,
+                       alpha=0.3, limit=6, backend="local")
+    assert set(pids.read_text().split()) == {str(os.getpid())}
+    pids.unlink()
+    with trio.fail_after(TIMEOUT_S):
+        on_workers = await race(docs, research_tasks(tmp_path / "workers", 12),
+                                provider=provider, alpha=0.3, limit=6, backend="local",
+                                workers=2)
+    assert [c.status for c in alone.candidates] == ["survived", "dropped", "dropped"]
+    assert on_workers == alone
+    ran = collections.Counter(pids.read_text().split())
+    assert len(ran) == 2 and str(os.getpid()) not in ran and sum(ran.values()) == alone.trials
+    # Every episode the race counted wrote its answer where the score read it.
+    assert len(list((tmp_path / "workers").glob("*/*/answer.txt"))) == sum(
+        round(c.mean_reward * c.tasks) for c in on_workers.candidates if c.mean_reward)
