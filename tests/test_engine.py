@@ -489,7 +489,9 @@ def test_the_heap_is_settled_once_per_process_before_a_burst() -> None:
     assert frozen > 0  # the process's imports are out of the collector's way
     later = [[object()] for _ in range(1000)]  # objects of a burst, alive now
     settle_heap()
-    assert gc.get_freeze_count() == frozen and later  # never frozen with them
+    # Never frozen with them (they would add 1,000 lists); the count may fall meanwhile, as
+    # a frozen object that another thread lets go leaves the permanent generation.
+    assert gc.get_freeze_count() < frozen + len(later)
 
 
 def test_settling_the_heap_makes_young_collections_rarer_and_keeps_an_owners_choice(

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shlex
 import signal
 import subprocess
@@ -288,7 +289,9 @@ def test_trio_owned_job_gives_the_same_rewards_as_the_harbor_cli(
 # 3. Harbor's agent timeout, with a command sleeping past it
 # =======================================================================================
 
-SLEEP = "sleep 30.123"  # a duration no other process on this machine uses
+# A duration no other process on this machine uses, this run's own: another suite on a
+# shared machine runs this test with another, so the machine-wide check below sees only ours.
+SLEEP = f"sleep 30.{secrets.randbelow(10**6):06d}"
 TIMEOUT_S = 3.0
 TIMEOUT_TRIALS = 32
 SCRIPTED_USAGE = {"input_tokens": 1500, "output_tokens": 40, "cached_input_tokens": 1200, "calls": 1}

@@ -67,6 +67,9 @@ def test_a_race_drops_the_worse_candidates_and_saves_trials(
     assert status[hashes["poor"]].status == "dropped"
     assert status[hashes["poor"]].behind == hashes["good"]
     assert report.stop_reason == "one candidate left" and report.finished
+    # The default control, per candidate: the drops came after the gate opened.
+    assert report.settings.familywise is False and report.gate_open is True
+    assert report.global_evidence >= 1 / report.settings.alpha
     assert report.trials < report.full_trials == 3 * (TASKS + 1)
     assert report.trials_saved == report.full_trials - report.trials
     assert status[hashes["good"]].mean_reward == 1.0
@@ -135,10 +138,12 @@ def test_one_candidate_is_refused_before_anything_runs(tmp_path: Path) -> None:
 
 @pytest.mark.harbor
 def test_ctrl_c_leaves_a_job_directory_that_reads_as_the_race_so_far(tmp_path: Path) -> None:
-    code, _, stderr = interrupted_race(tmp_path)
+    code, _, stderr = interrupted_race(tmp_path, "--familywise")
     assert code == 130, stderr
     assert "reads as the race so far" in stderr
     assert_reads_as_the_race_so_far(tmp_path / "jobs" / "race")
+    report = read_race(tmp_path / "jobs" / "race")
+    assert report.settings.familywise is True and report.gate_open is None
 
 
 @pytest.mark.harbor
@@ -148,6 +153,7 @@ def test_the_docs_example_races_the_bundled_candidates(tmp_path: Path) -> None:
     report = read_race(clone / "jobs" / "race")
     assert report.finished and len(report.candidates) == 3
     assert "trials:" in completed.stdout and "job directory:" in completed.stdout
+    assert "control: per candidate, each one among the best dropped" in completed.stdout
 
 
 @pytest.fixture(scope="module")

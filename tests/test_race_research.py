@@ -10,7 +10,15 @@ import trio
 from support.race import candidate, research_tasks
 
 from wmo_trio import load_harness
-from wmo_trio.race import Attempt, RaceError, RaceLedger, race, race_rounds, task_order
+from wmo_trio.race import (
+    Attempt,
+    RaceError,
+    RaceLedger,
+    RaceReport,
+    race,
+    race_rounds,
+    task_order,
+)
 
 
 def test_an_unscored_attempt_counts_zero_unless_the_task_has_no_reward_at_all() -> None:
@@ -44,6 +52,39 @@ def test_the_task_order_depends_on_the_seed_not_on_the_listing() -> None:
     tasks = [f"t{i}" for i in range(20)]
     assert task_order(tasks, 3) == task_order(list(reversed(tasks)), 3)
     assert task_order(tasks, 3) != task_order(tasks, 4)
+
+
+def raced_ledger(familywise: bool) -> RaceLedger:
+    """A always passes, C never, B on two tasks of three: rounds of one task."""
+    ledger = RaceLedger({"a": "A", "b": "B", "c": "C"}, [f"t{i:02d}" for i in range(80)],
+                        alpha=0.1, familywise=familywise)
+    while (played := ledger.next_round(1)) is not None:
+        [task] = played.tasks
+        rewards = {"a": 1.0, "b": float(int(task[1:]) % 3 != 0), "c": 0.0}
+        ledger.record(played, {(key, task): [Attempt(rewards[key])]
+                               for key in played.candidates})
+    return ledger
+
+
+def test_the_report_says_which_control_decided_and_per_candidate_drops_sooner() -> None:
+    per_candidate, closed = raced_ledger(False).report(), raced_ledger(True).report()
+    assert (per_candidate.settings.familywise, closed.settings.familywise) == (False, True)
+    assert per_candidate.gate_open is True and closed.gate_open is None
+    # C is dropped once the mean of the three e-values reaches 10 under both; B, once its
+    # own reaches 10 per candidate, but only once its mean with A's (A, the leader, holds
+    # the true hypothesis, its e-value below 1) does under the closure.
+    a, b, c = per_candidate.candidates
+    fa, fb, fc = closed.candidates
+    assert [x.status for x in (a, b, c, fa, fb, fc)] == ["survived", "dropped", "dropped"] * 2
+    assert c.stopped_round == fc.stopped_round and b.stopped_round < fb.stopped_round
+    assert 10 <= b.evidence < (fb.evidence + fa.evidence) / 2 and a.evidence < 1
+
+
+def test_a_race_json_from_before_the_choice_reads_as_the_closure() -> None:
+    # race.json files written before `familywise` existed were all decided by the closure.
+    report = raced_ledger(True).report().model_dump(mode="json")
+    del report["settings"]["familywise"], report["gate_open"], report["global_evidence"]
+    assert RaceReport.model_validate(report).settings.familywise is True
 
 
 def test_a_race_needs_two_candidates() -> None:

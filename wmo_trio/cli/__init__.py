@@ -213,8 +213,12 @@ def race(
         "--baseline", help="The incumbent's document: each candidate stops as soon as it is "
         "shown better or worse than it.")] = None,
     alpha: Annotated[float, typer.Option(
-        "--alpha", help="The chance of any wrong verdict in the whole race, however often "
-        "it looks.")] = 0.05,
+        "--alpha", help="The error level, however often the race looks: with all "
+        "candidates equal, the chance of any verdict; for each candidate among the best "
+        "(or not worse than the baseline), the chance it is dropped (called worse).")] = 0.05,
+    familywise: Annotated[bool, typer.Option(
+        "--familywise", help="Make alpha the chance of any wrong verdict in the race, even "
+        "with several candidates tied for best (closed testing; costs trials).")] = False,
     max_trials: Annotated[int | None, typer.Option(
         "--max-trials", help="Stop before running more trials than this.")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the task order.")] = 0,
@@ -252,7 +256,7 @@ def race(
         try:
             cluster = cluster_options(workers, ray_address)
             plan = build_race(options, harness, baseline=baseline, alpha=alpha,
-                              max_trials=max_trials, seed=seed)
+                              max_trials=max_trials, seed=seed, familywise=familywise)
         except BadInput as error:
             refused = error
     if refused is not None:

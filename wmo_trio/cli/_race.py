@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 
 def build_race(options: RunOptions, harnesses: list[Path], *, baseline: Path | None,
-               alpha: float, max_trials: int | None, seed: int) -> HarborRace:
+               alpha: float, max_trials: int | None, seed: int,
+               familywise: bool = False) -> HarborRace:
     """Every option and document judged, then the race's harbor job configuration, one
     agent per candidate (the baseline first). Raises `BadInput` before anything runs."""
     from wmo_trio.harness import HarnessError, load_harness
@@ -57,7 +58,8 @@ def build_race(options: RunOptions, harnesses: list[Path], *, baseline: Path | N
     config.agents = [AgentConfig(import_path=AGENT_IMPORT_PATH, model_name=options.model,
                                  kwargs=one, skip_model_parsing=True) for one in kwargs]
     return HarborRace(config=config, keys=keys, names=names, alpha=alpha, seed=seed,
-                      max_trials=max_trials, baseline=keys[0] if baseline else None)
+                      max_trials=max_trials, baseline=keys[0] if baseline else None,
+                      familywise=familywise)
 
 
 async def run_with_display(race: HarborRace, console: Console | None,
@@ -145,14 +147,34 @@ def render_progress(progress: RaceProgress) -> Group:
             + (" (now: " + ", ".join(f"{n} {p}" for p, n in phases.items()) + ")"
                if phases else "")
             + f"; {report.trials} of the full {report.full_trials} run so far")
-    return Group(standings_table(report, "wmo-trio race"), Text(line, style="dim"))
+    lines = [Text(line, style="dim")]
+    if report.gate_open is False:
+        lines.append(Text(control_line(report), style="dim"))
+    return Group(standings_table(report, "wmo-trio race"), *lines)
+
+
+def control_line(report: RaceReport) -> str:
+    """Which error the race controls (docs/race.md, "The multiplicity"), and, per
+    candidate, whether the evidence against all candidates being equal allows verdicts."""
+    alpha = report.settings.alpha
+    if report.settings.familywise:
+        return (f"control: family-wise, every verdict right together with probability at "
+                f"least {1 - alpha:.0%}")
+    line = "control: per candidate, " + (
+        "each one not better (not worse) than the baseline called better (worse)"
+        if report.settings.baseline else "each one among the best dropped") + (
+        f" with probability at most {alpha:.0%}")
+    if not report.gate_open:
+        line += (f"; no verdict before the evidence against all being equal reaches "
+                 f"{1 / alpha:.3g} (now {report.global_evidence:.3g})")
+    return line
 
 
 def summary_lines(report: RaceReport) -> list[str]:
     """The race in a few lines: who survived, how far each ran, what it saved, and the
     interval of each survivor's difference with the leader."""
     lines = [f"stopped: {report.stop_reason} after {report.rounds} round"
-             f"{'' if report.rounds == 1 else 's'}"]
+             f"{'' if report.rounds == 1 else 's'}", control_line(report)]
     kept = [c for c in report.candidates if c.status in ("survived", "running", "better",
                                                          "undecided", "baseline")]
     lines.append("survived: " + (", ".join(f"{c.name} ({c.status})" for c in kept) or "none"))

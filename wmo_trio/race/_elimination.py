@@ -10,11 +10,21 @@ Two families of hypotheses (docs/race.md, "The method"):
   (bets on X_j - X_base) and "j is not worse" (bets on X_base - X_j). Either rejected:
   j is shown better or worse, and stops.
 
+Two ways to reject (docs/race.md, "The multiplicity"), looked at after every task
+(Ville's inequality holds at every time):
+
+- per candidate (the default): a gate per race, the global null (every hypothesis true)
+  rejected once the mean of all the e-processes has reached 1 / alpha, open for good once
+  open; then each hypothesis whose own e-process has reached 1 / alpha, at any task.
+  Each true hypothesis is rejected with probability at most alpha, and with every
+  hypothesis true nothing is rejected with probability at least 1 - alpha.
+- `familywise`: the closure of the family under the arithmetic mean (e-Holm): the chance
+  that any true hypothesis is rejected is at most alpha.
+
 Scores are per-task means in [0, 1]; a task is observed by every running candidate (the
 caller runs them all on it). Everything a stake or a comparator reads comes from the tasks
-before the one it bets on, in the race's task order, whatever round they ran in; the
-closure is looked at after every task (Ville's inequality holds at every time), and a
-hypothesis it rejects stops betting at once, its candidate at the end of the round.
+before the one it bets on, in the race's task order, whatever round they ran in. A
+rejected hypothesis stops betting at once, its candidate at the end of the round.
 Pure numpy: `Elimination` holds one row per race.
 """
 
@@ -45,10 +55,11 @@ class Verdict(IntEnum):
 
 class Elimination:
     """The state of `races` races of `candidates` candidates at level `alpha`; with
-    `baseline` (a candidate's index) each other candidate is held against it alone."""
+    `baseline` (a candidate's index) each other candidate is held against it alone; with
+    `familywise`, rejections by the closure instead of per candidate."""
 
     def __init__(self, races: int, candidates: int, *, alpha: float,
-                 baseline: int | None = None) -> None:
+                 baseline: int | None = None, familywise: bool = False) -> None:
         if not 0 < alpha < 1:
             raise ValueError(f"alpha={alpha}: give a level in (0, 1), e.g. 0.05")
         if candidates < 1:
@@ -74,11 +85,24 @@ class Elimination:
             self.subjects = np.concatenate([others, others])  # "not better", then "not worse"
         self.evidence = Evidence.start((races, len(self.subjects)))
         self.rejected: Bools = np.zeros((races, len(self.subjects)), dtype=bool)
+        self.familywise = familywise
+        # Per candidate: whether each race's global null has been rejected (the gate), and
+        # which hypotheses' own e-process has reached 1 / alpha at some task so far. Both
+        # are Ville events about the whole path, so once true they stay true.
+        self.gate: Bools = np.zeros(races, dtype=bool)
+        self.reached: Bools = np.zeros((races, len(self.subjects)), dtype=bool)
         self._stop_finished()
 
     @property
     def hypotheses(self) -> int:
         return len(self.subjects)
+
+    @property
+    def global_evidence(self) -> Floats:
+        """Per race, the e-process of the global null (every hypothesis true): the mean of
+        the hypotheses' e-processes, one test supermartingale under it."""
+        result: Floats = self.evidence.wealth.mean(axis=-1)
+        return result
 
     def _against(self) -> Floats:
         """Each hypothesis's comparator as weights over the candidates, `[race, h, c]`, from
@@ -91,7 +115,7 @@ class Elimination:
 
     def observe(self, scores: npt.ArrayLike) -> None:
         """One task's scores, `scores[race, candidate]` in [0, 1] (read only where the
-        candidate is running), then the closure's rejections as they stand after it."""
+        candidate is running), then the rule's rejections as they stand after it."""
         x = np.where(self.running, np.asarray(scores, dtype=np.float64), 0.0)
         against = self._against()
         subject = x[:, self.subjects]
@@ -111,12 +135,22 @@ class Elimination:
         self.rejected |= self._rejections()
 
     def _rejections(self) -> Bools:
-        """What the closure of the family rejects now (docs/race.md, "The multiplicity").
-        Only races where some wealth has reached 1 / alpha are sorted: the closure rejects
-        nothing whose own wealth (the set of it alone) is below."""
+        """What the rule rejects now (docs/race.md, "The multiplicity").
+
+        Per candidate: the gate opens once the mean of every hypothesis's e-process (the
+        global null's test) reaches 1 / alpha; then every hypothesis whose own e-process
+        has reached 1 / alpha, now or at an earlier task. With `familywise`, the closure by
+        averages; only races where some wealth has reached 1 / alpha are sorted, since the
+        closure rejects nothing whose own wealth (the set of it alone) is below."""
         wealth = self.evidence.wealth
+        threshold = 1.0 / self.alpha
+        if not self.familywise:
+            self.reached |= wealth >= threshold
+            self.gate |= self.global_evidence >= threshold
+            gated: Bools = self.gate[:, np.newaxis] & self.reached
+            return gated
         result: Bools = np.zeros(wealth.shape, dtype=bool)
-        rows = np.flatnonzero((wealth >= 1.0 / self.alpha).any(axis=-1))
+        rows = np.flatnonzero((wealth >= threshold).any(axis=-1))
         result[rows] = closed_rejections(wealth[rows], self.alpha)
         return result
 
@@ -130,26 +164,33 @@ class Elimination:
         total = self.pair_total[race, c, j]
         if self.baseline is not None:
             total = np.where(h < len(self.subjects) // 2, -total, total)
-        result: Floats = np.zeros(against.shape[:-1])
-        np.add.at(result, (race, h),
-                  against[race, h, c] * stakes(total, self.pair_squares[race, c, j]))
+        weighted = against[race, h, c] * stakes(total, self.pair_squares[race, c, j])
+        shape = against.shape[:-1]
+        result: Floats = np.bincount(race * shape[1] + h, weighted,
+                                     minlength=shape[0] * shape[1]).reshape(shape)
         return result
 
-    def end_round(self) -> Bools:
-        """Stop the candidates whose hypotheses the closure has rejected, and return which
-        candidates stopped in this round (`[race, candidate]`)."""
-        stopping = np.zeros_like(self.running)
-        rows, hyps = np.nonzero(self.rejected)
-        for row, h in zip(rows.tolist(), hyps.tolist(), strict=True):
-            j = int(self.subjects[h])
-            if not self.running[row, j]:
-                continue
-            stopping[row, j] = True
-            if self.baseline is None:
-                self.verdicts[row, j] = Verdict.WORSE
-            else:
-                self.verdicts[row, j] = (Verdict.BETTER if h < len(self.subjects) // 2
-                                         else Verdict.WORSE)
+    def end_round(self, ending: Bools | None = None) -> Bools:
+        """Stop the candidates whose hypotheses are rejected, in the races whose round ends
+        (`ending[race]`, default all), and return which candidates stopped
+        (`[race, candidate]`)."""
+        live = self.running.copy()
+        if ending is not None:
+            live &= np.asarray(ending, dtype=bool)[:, np.newaxis]
+        better = np.zeros_like(live)
+        worse = np.zeros_like(live)
+        if self.baseline is None:
+            worse[:, self.subjects] = self.rejected
+        else:
+            half = len(self.subjects) // 2
+            better[:, self.subjects[:half]] = self.rejected[:, :half]
+            worse[:, self.subjects[half:]] = self.rejected[:, half:]
+        better &= live
+        worse &= live
+        # Shown both better and worse (only a false rejection can do it): worse.
+        self.verdicts = np.where(worse, Verdict.WORSE,
+                                 np.where(better, Verdict.BETTER, self.verdicts))
+        stopping = better | worse
         self.running &= ~stopping
         stopping |= self._stop_finished()
         return stopping

@@ -50,6 +50,7 @@ async def race_rounds(
     seed: int = 0,
     max_trials: int | None = None,
     baseline: int | None = None,
+    familywise: bool = False,
     limit: int = 32,
     episode_timeout: float = DEFAULT_EPISODE_TIMEOUT_SEC,
     backend: str | None = None,
@@ -58,7 +59,8 @@ async def race_rounds(
 ) -> AsyncIterator[RaceReport]:
     """Race `candidates` (documents, as `EpisodePool.run` takes them) on `tasks`, yielding
     the report after every round; the last one is the finished race. `baseline` is the
-    index of the incumbent among `candidates`; `limit` bounds the episodes run at once,
+    index of the incumbent among `candidates`; `familywise` chooses the closure's control
+    over the per-candidate one (docs/race.md); `limit` bounds the episodes run at once,
     `episode_timeout` and `backend` are `EpisodePool.run`'s. Raises `RaceError` before any episode runs
     for input a race cannot use (fewer than two different documents among them).
 
@@ -81,7 +83,8 @@ async def race_rounds(
         raise RaceError("two tasks have one name; give each task its own")
     ledger = RaceLedger({doc.doc_hash: doc.name for doc in docs}, task_order(list(by_name), seed),
                         alpha=alpha, attempts=attempts, seed=seed, max_trials=max_trials,
-                        baseline=None if baseline is None else keys[baseline])
+                        baseline=None if baseline is None else keys[baseline],
+                        familywise=familywise)
     async with open_episode_pool(limit, workers=workers, ray_address=ray_address) as pool:
         def next_round() -> Round | None:
             return ledger.next_round(default_batch(limit, len(ledger.running), attempts))

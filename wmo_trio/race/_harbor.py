@@ -37,6 +37,7 @@ class HarborRace:
     seed: int = 0
     max_trials: int | None = None
     baseline: str | None = None
+    familywise: bool = False
 
     @property
     def job_dir(self) -> Path:
@@ -88,7 +89,8 @@ async def run_race(race: HarborRace, *, runner: TrialRunner = run_trials_here,
     ledger = RaceLedger(dict(zip(race.keys, race.names, strict=True)),
                         task_order(labels, race.seed), alpha=race.alpha,
                         attempts=config.n_attempts, seed=race.seed,
-                        max_trials=race.max_trials, baseline=race.baseline)
+                        max_trials=race.max_trials, baseline=race.baseline,
+                        familywise=race.familywise)
     progress.ledger = ledger
     job = _JobFiles(race.job_dir, plan, config)
     job.start()

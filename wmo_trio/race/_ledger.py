@@ -74,7 +74,8 @@ class RaceLedger:
 
     def __init__(self, candidates: Mapping[str, str], tasks: Sequence[str], *,
                  alpha: float = 0.05, attempts: int = 1, seed: int = 0,
-                 max_trials: int | None = None, baseline: str | None = None) -> None:
+                 max_trials: int | None = None, baseline: str | None = None,
+                 familywise: bool = False) -> None:
         if len(candidates) < 2:
             raise RaceError("a race needs at least two different candidates; to evaluate one "
                             "candidate, run it (wmo-trio run)")
@@ -95,9 +96,10 @@ class RaceLedger:
         self.tasks = list(tasks)
         self.settings = RaceSettings(alpha=alpha, attempts=attempts, seed=seed,
                                      max_trials=max_trials, baseline=baseline,
-                                     tasks=len(tasks))
+                                     tasks=len(tasks), familywise=familywise)
         index = None if baseline is None else self.keys.index(baseline)
-        self.rule = Elimination(1, len(self.keys), alpha=alpha, baseline=index)
+        self.rule = Elimination(1, len(self.keys), alpha=alpha, baseline=index,
+                                familywise=familywise)
         self.next_task = 0
         self.rounds = 0
         self.trials = 0
@@ -210,7 +212,10 @@ class RaceLedger:
         full = len(self.keys) * (len(self.tasks)) * self.settings.attempts
         return RaceReport(
             settings=self.settings, finished=finished, stop_reason=self.stop_reason,
-            rounds=self.rounds, leader=self.leader(), candidates=standings,
+            rounds=self.rounds, leader=self.leader(),
+            global_evidence=float(self.rule.global_evidence[0]),
+            gate_open=None if self.settings.familywise else bool(self.rule.gate[0]),
+            candidates=standings,
             task_order=list(self.task_order), left_out=list(self.left_out),
             trials=self.trials, full_trials=full, trials_saved=max(0, full - self.trials),
             share=self.trials / full if full else 0.0,

@@ -26,6 +26,14 @@ class RaceSettings(_Model):
     max_trials: int | None
     baseline: str | None = Field(description="the incumbent's key, with --baseline")
     tasks: int = Field(description="tasks available to the race")
+    # Absent from the race.json files written before the choice existed, which all used
+    # the closure: reading one gives True. A race always writes it.
+    familywise: bool = Field(
+        default=True, description="the control (docs/race.md, \"The multiplicity\"): false, "
+        "per candidate (the default: with all candidates equal, no verdict with probability "
+        "at least 1 - alpha; each candidate among the best, or not worse than the baseline, "
+        "dropped with probability at most alpha); true, family-wise (--familywise: every "
+        "verdict of the race right together with probability at least 1 - alpha)")
 
 
 class CandidateStanding(_Model):
@@ -74,6 +82,12 @@ class RaceReport(_Model):
     stop_reason: StopReason | None
     rounds: int = Field(description="rounds completed")
     leader: str | None = Field(description="the highest mean among those not dropped")
+    global_evidence: float = Field(
+        default=1.0, description="the e-value against every candidate being equal (to the "
+        "baseline): the mean of every hypothesis's e-value, now")
+    gate_open: bool | None = Field(
+        default=None, description="per candidate: whether that e-value has reached 1 / alpha "
+        "at some task (no verdict before; open for good once open); null with familywise")
     candidates: list[CandidateStanding]
     task_order: list[str] = Field(description="the tasks run, in the order drawn")
     left_out: list[LeftOutTask]

@@ -1,4 +1,4 @@
-"""Anytime-valid elimination of candidates: e-processes by betting, closed by averages.
+"""Anytime-valid elimination of candidates: e-processes by betting, combined by averages.
 
 Pure numpy, no harbor, no I/O: the harbor race, the research API's race and the
 simulations in the tests and the benchmark all run these functions. Every array has a
@@ -8,10 +8,11 @@ The method, its assumptions and its references are in docs/race.md ("The method"
 short: each hypothesis h ("candidate b is not worse than candidate a") has a test
 supermartingale W_h = prod(1 + lambda_t * D_t) over the paired per-task differences
 D_t = X_a - X_b in [-1, 1], with a predictable stake lambda_t in [0, BET_CAP] (the
-universal portfolio's stake for the pair, `stakes`); the closure of the family under the
-arithmetic mean rejects h once every average of W over a set of hypotheses holding h
-reaches 1 / alpha, which keeps the chance of any false rejection, at any time of the race
-however often it is looked at, at most alpha.
+universal portfolio's stake for the pair, `stakes`). By Ville's inequality a true
+hypothesis's W ever reaches 1 / alpha with probability at most alpha, however often it is
+looked at; so does the mean of the W of a set of true hypotheses. The race rejects h once
+its W has, after the mean of the whole family has (per candidate), or once every mean of W
+over a set of hypotheses holding h has (`closed_rejections`, family-wise).
 """
 
 from __future__ import annotations

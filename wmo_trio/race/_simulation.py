@@ -7,8 +7,9 @@ standard normal), so rho is the correlation of a task's difficulty between candi
 of task t with probability Phi(a_i + spread * z[t, i]), a_i chosen so its mean over tasks
 is `means[i]` (E Phi(a + s z) = Phi(a / sqrt(1 + s^2))); attempts are independent given
 the task, and a task's score is the mean of its `attempts` pass/fail rewards. The tasks
-come in a random order (they are drawn independently), in rounds of `batch` tasks, every
-running candidate on every task of a round: the race's own code (`Elimination`) decides.
+come in a random order (they are drawn independently), in rounds of `batch` tasks (or, with
+`concurrency`, of as many as the harbor race gives `-n concurrency`), every running
+candidate on every task of a round: the race's own code (`Elimination`) decides.
 Each race lists the candidates in an order of its own (a seeded shuffle), so no figure
 depends on where the best one stands in the list.
 """
@@ -32,20 +33,32 @@ class Scenario:
     correlation: float = 0.0
     spread: float = 1.5
     batch: int = 5
+    concurrency: int | None = None  # rounds sized as `-n concurrency` sizes them, not `batch`
     alpha: float = 0.05
     baseline: int | None = None
+    familywise: bool = False
+
+    def round_size(self, running: Ints) -> Ints:
+        """Tasks in a race's next round, given its running candidates."""
+        if self.concurrency is None:
+            return np.full_like(running, self.batch)
+        result: Ints = np.maximum(1, -(-self.concurrency // np.maximum(1, running
+                                                                        * self.attempts)))
+        return result
 
 
 @dataclass(frozen=True)
 class Simulated:
     """Per race: whether any declaration was false, whether a best candidate was dropped
     (a race) or a candidate declared worse than a baseline it is not worse than, and the
-    share of the full evaluation's trials it ran."""
+    share of the full evaluation's trials it ran; per race and candidate (in the
+    scenario's order), its verdict and the tasks it ran."""
 
     false_declaration: Bools
     best_dropped: Bools
     share: Floats
     tasks_run: Ints
+    verdicts: Ints
 
     @property
     def races(self) -> int:
@@ -63,7 +76,8 @@ def scores(scenario: Scenario, races: int, rng: np.random.Generator) -> Floats:
     own = rng.standard_normal((races, scenario.tasks, count))
     difficulty = math.sqrt(rho) * shared + math.sqrt(1 - rho) * own
     p = ndtr(shift + spread * difficulty)
-    passes = rng.binomial(scenario.attempts, p)
+    # Attempts as uniforms under p: numpy's binomial sampler is several times slower.
+    passes = (rng.random((scenario.attempts, *p.shape)) < p).sum(axis=0)
     result: Floats = passes / scenario.attempts
     return result
 
@@ -85,13 +99,17 @@ def simulate(scenario: Scenario, races: int, seed: int, *,
     listed = np.empty_like(data)
     np.put_along_axis(listed, np.broadcast_to(place[:, np.newaxis, :], data.shape), data,
                       axis=-1)
-    decider = rule(races, count, alpha=scenario.alpha, baseline=scenario.baseline)
-    done = 0
-    while done < scenario.tasks and decider.active.any():
-        for t in range(done, min(done + scenario.batch, scenario.tasks)):
-            decider.observe(listed[:, t, :])
-        done = min(done + scenario.batch, scenario.tasks)
-        decider.end_round()
+    decider = rule(races, count, alpha=scenario.alpha, baseline=scenario.baseline,
+                   familywise=scenario.familywise)
+    left = np.zeros(races, dtype=np.int64)  # tasks left in each race's round
+    for t in range(scenario.tasks):
+        if not decider.active.any():
+            break
+        starting = left == 0
+        left[starting] = scenario.round_size(decider.running[starting].sum(axis=-1))
+        decider.observe(listed[:, t, :])
+        left -= 1
+        decider.end_round((left == 0) | (t == scenario.tasks - 1))
     decider.finish()
     verdicts = np.take_along_axis(decider.verdicts, place, axis=-1)  # in scenario order
     tasks_run = np.take_along_axis(decider.tasks, place, axis=-1)
@@ -109,7 +127,7 @@ def simulate(scenario: Scenario, races: int, seed: int, *,
         best_dropped = false_worse
     share = tasks_run.sum(axis=-1) / (count * scenario.tasks)
     return Simulated(false_declaration=false, best_dropped=best_dropped, share=share,
-                     tasks_run=tasks_run)
+                     tasks_run=tasks_run, verdicts=verdicts)
 
 
 def binomial_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:

@@ -36,26 +36,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Self
 
-from wmo_trio.sandbox import _storage
+from wmo_trio.sandbox import _profile, _storage
 from wmo_trio.sandbox._cgroup import TrialCgroup
 from wmo_trio.sandbox._errors import SandboxUnavailableError, unavailable
 from wmo_trio.sandbox._hostfs import read_tail, remove_tree
 from wmo_trio.sandbox._network import NetworkStack
 from wmo_trio.sandbox._overlay import SCRATCH, SandboxRoot, prepare_root
 from wmo_trio.sandbox._processes import Channel, read_pipe
-from wmo_trio.sandbox._profile import (
-    DEFAULT_PATH,
-    LAUNCH_ATTEMPTS,
-    NETWORK_STACK_PROFILE,
-    TRIAL_PROFILE,
-    Bind,
-    Profile,
-    bwrap_argv,
-    launch_argv,
-    launch_output,
-    lost_loopback_race,
-    profile_problem,
-)
 from wmo_trio.sandbox._state import StateDir
 from wmo_trio.sandbox._threads import made_in_thread
 
@@ -81,7 +68,8 @@ def missing_tools() -> str | None:
                if shutil.which(tool) is None]
     if missing:
         return "missing " + ", ".join(missing) + " on PATH"
-    return profile_problem(TRIAL_PROFILE) or profile_problem(NETWORK_STACK_PROFILE)
+    return (_profile.profile_problem(_profile.TRIAL_PROFILE)
+            or _profile.profile_problem(_profile.NETWORK_STACK_PROFILE))
 
 
 class Sandbox:
@@ -120,7 +108,7 @@ class Sandbox:
 
     @classmethod
     async def launch(cls, state: StateDir, root: SandboxRoot, *, hostname: str,
-                     network: bool, profile: Profile = TRIAL_PROFILE) -> Sandbox:
+                     network: bool, profile: _profile.Profile = _profile.TRIAL_PROFILE) -> Sandbox:
         """Mount ``root`` in ``state``, start bubblewrap and its helper there as
         ``profile`` says and, with ``network``, a slirp4netns stack for its network
         namespace; every process of the sandbox runs in a cgroup of its own that holds
@@ -133,19 +121,19 @@ class Sandbox:
         reason = missing_tools()
         if reason is not None:
             raise unavailable(reason)
-        for attempt in range(LAUNCH_ATTEMPTS):
+        for attempt in range(_profile.LAUNCH_ATTEMPTS):
             try:
                 return await cls._launch(state, root, hostname=hostname, network=network,
                                          profile=profile)
             except SandboxUnavailableError as error:
-                if not lost_loopback_race(str(error)) or attempt == LAUNCH_ATTEMPTS - 1:
+                if not _profile.lost_loopback_race(str(error)) or attempt == _profile.LAUNCH_ATTEMPTS - 1:
                     raise
                 await asyncio.to_thread(_clear_scratch, state)
         raise AssertionError("unreachable")
 
     @classmethod
     async def _launch(cls, state: StateDir, root: SandboxRoot, *, hostname: str,
-                      network: bool, profile: Profile) -> Sandbox:
+                      network: bool, profile: _profile.Profile) -> Sandbox:
 
         def prepare() -> tuple[str, bytes]:
             # One hop to a thread for both: each hop is a wait for the loop.
@@ -174,8 +162,8 @@ class Sandbox:
             raise
         return sandbox
 
-    async def _start(self, mount: str, program: bytes, profile: Profile, *, hostname: str,
-                     binds: Sequence[Bind]) -> None:
+    async def _start(self, mount: str, program: bytes, profile: _profile.Profile, *, hostname: str,
+                     binds: Sequence[_profile.Bind]) -> None:
         """Start bubblewrap in the cgroup, with the helper as its PID 1; each process
         and descriptor that outlives the start is pushed on ``_running``."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -188,7 +176,7 @@ class Sandbox:
             inherited.callback(os.close, info_write)
             helper_fd = _read_only_memfd(program)
             inherited.callback(os.close, helper_fd)
-            bwrap, pass_fds = bwrap_argv(
+            bwrap, pass_fds = _profile.bwrap_argv(
                 profile, inherited, root=str(self.state.path / "root"), hostname=hostname,
                 binds=binds, info_fd=info_write,
                 command=["python3", "-I", "-S", f"/proc/self/fd/{helper_fd}"])
@@ -197,12 +185,12 @@ class Sandbox:
             inherited.callback(os.close, log)
             self.process = await asyncio.create_subprocess_exec(
                 "unshare", "--mount", "--propagation", "private",
-                *launch_argv(bwrap, before=mount, cgroup_procs=self.cgroup.procs_files),
+                *_profile.launch_argv(bwrap, before=mount, cgroup_procs=self.cgroup.procs_files),
                 stdin=theirs.fileno(), stdout=asyncio.subprocess.DEVNULL, stderr=log,
                 pass_fds=(helper_fd, *pass_fds, self.state.lock_fd),
                 # Its own session: a Ctrl-C at harbor's terminal must not end the
                 # sandbox before harbor's own shutdown stops it.
-                start_new_session=True, env={"PATH": DEFAULT_PATH},
+                start_new_session=True, env={"PATH": _profile.DEFAULT_PATH},
             )
             self._running.push_async_callback(_end, self.process)
             inherited.close()
@@ -341,7 +329,7 @@ class Sandbox:
                 await self.process.wait()
         # The sandbox's processes can write to this log: only its tail is read.
         tail = await asyncio.to_thread(read_tail, self.state.path / LAUNCH_LOG, LAUNCH_LOG_TAIL)
-        lines = launch_output(tail.decode(errors="replace"))
+        lines = _profile.launch_output(tail.decode(errors="replace"))
         return "the sandbox did not start: " + (lines[-1] if lines else "no error was printed")
 
 
@@ -408,7 +396,7 @@ def helper_program() -> bytes:
     process; a sandbox's python3 of another version compiles the source itself."""
     source = HELPER.read_bytes()
     compiled = b""
-    python = shutil.which("python3", path=DEFAULT_PATH)
+    python = shutil.which("python3", path=_profile.DEFAULT_PATH)
     if python is not None:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             completed = subprocess.run([python, "-I", "-S", "-c", _COMPILE], input=source,

@@ -17,14 +17,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from wmo_trio.sandbox._hostfs import (
-    make_dir_beneath,
-    open_beneath,
-    open_in_root,
-    open_regular,
-    replace_beneath,
-    replace_link_beneath,
-)
+from wmo_trio.sandbox import _hostfs
 from wmo_trio.sandbox._transfer import DIR_FLAGS, Budget, Stopped, copy_data, in_thread
 
 __all__ = ["upload_dir", "upload_file"]
@@ -34,19 +27,19 @@ def _make_dirs_in_root(root_fd: int, path: str) -> int:
     """``mkdir -p`` of ``path`` as the trial sees it (its links followed inside its
     root); a descriptor of the directory. Directories made here are root's, mode 755."""
     parts = [part for part in path.split("/") if part not in ("", ".")]
-    fd = open_in_root(root_fd, "/", DIR_FLAGS)
+    fd = _hostfs.open_in_root(root_fd, "/", DIR_FLAGS)
     for index, part in enumerate(parts):
         prefix = "/".join(parts[: index + 1])
         made = False
         try:
-            child = open_in_root(root_fd, prefix, DIR_FLAGS)
+            child = _hostfs.open_in_root(root_fd, prefix, DIR_FLAGS)
         except FileNotFoundError:
             try:
                 os.mkdir(part, 0o755, dir_fd=fd)
                 made = True
             except FileExistsError:
                 pass
-            child = open_in_root(root_fd, prefix, DIR_FLAGS)
+            child = _hostfs.open_in_root(root_fd, prefix, DIR_FLAGS)
         except BaseException:
             os.close(fd)
             raise
@@ -83,7 +76,7 @@ async def upload_file(open_root: Callable[[], int], source: Path, target: str) -
                     directory = _make_dirs_in_root(root_fd, target)
                 else:
                     try:
-                        directory = open_in_root(root_fd, target, DIR_FLAGS)
+                        directory = _hostfs.open_in_root(root_fd, target, DIR_FLAGS)
                     except OSError as error:
                         if error.errno not in (errno.ENOENT, errno.ENOTDIR):
                             raise
@@ -93,9 +86,9 @@ async def upload_file(open_root: Callable[[], int], source: Path, target: str) -
                 os.close(root_fd)
             try:
                 mode = stat.S_IMODE(info.st_mode)
-                replace_beneath(directory, name,
-                                _write_from(handle.fileno(), info.st_size, mode,
-                                            info.st_mtime_ns, cancelled), mode)
+                _hostfs.replace_beneath(directory, name,
+                                        _write_from(handle.fileno(), info.st_size, mode,
+                                                    info.st_mtime_ns, cancelled), mode)
             finally:
                 os.close(directory)
 
@@ -106,9 +99,9 @@ def _upload_tree(source_top: int, target_top: int, cancelled: threading.Event) -
     pending: collections.deque[str] = collections.deque([""])
     while pending:
         relative = pending.popleft()
-        source = open_beneath(source_top, relative or ".", DIR_FLAGS)
+        source = _hostfs.open_beneath(source_top, relative or ".", DIR_FLAGS)
         try:
-            target = open_beneath(target_top, relative or ".", DIR_FLAGS)
+            target = _hostfs.open_beneath(target_top, relative or ".", DIR_FLAGS)
         except BaseException:
             os.close(source)
             raise
@@ -120,7 +113,7 @@ def _upload_tree(source_top: int, target_top: int, cancelled: threading.Event) -
                     info = entry.stat(follow_symlinks=False)
                     path = f"{relative}/{entry.name}" if relative else entry.name
                     if stat.S_ISDIR(info.st_mode):
-                        made = make_dir_beneath(target, entry.name, 0o755)
+                        made = _hostfs.make_dir_beneath(target, entry.name, 0o755)
                         try:
                             os.fchmod(made, stat.S_IMODE(info.st_mode))
                             os.fchown(made, 0, 0)
@@ -128,21 +121,22 @@ def _upload_tree(source_top: int, target_top: int, cancelled: threading.Event) -
                             os.close(made)
                         pending.append(path)
                     elif stat.S_ISLNK(info.st_mode):
-                        replace_link_beneath(target, entry.name,
-                                             os.readlink(entry.name, dir_fd=source))
+                        _hostfs.replace_link_beneath(target, entry.name,
+                                                     os.readlink(entry.name, dir_fd=source))
                     elif stat.S_ISREG(info.st_mode):
-                        path_fd = open_beneath(source, entry.name, os.O_PATH)
+                        path_fd = _hostfs.open_beneath(source, entry.name, os.O_PATH)
                         try:
-                            fd = open_regular(path_fd)
+                            fd = _hostfs.open_regular(path_fd)
                         finally:
                             os.close(path_fd)
                         if fd is None:
                             continue
                         try:
                             mode = stat.S_IMODE(info.st_mode)
-                            replace_beneath(target, entry.name,
-                                            _write_from(fd, info.st_size, mode,
-                                                        info.st_mtime_ns, cancelled), mode)
+                            _hostfs.replace_beneath(target, entry.name,
+                                                    _write_from(fd, info.st_size, mode,
+                                                                info.st_mtime_ns, cancelled),
+                                                    mode)
                         finally:
                             os.close(fd)
         finally:
