@@ -292,10 +292,6 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {burst['n']} at once: submitted | {burst['local']['submitted']} "
             f"| {burst['sandbox']['submitted']} | - |",
         ]
-    if results.get("scale_out"):
-        from benchmarks import scale_out
-
-        lines += scale_out.markdown(results["scale_out"])
     return "\n".join(lines) + "\n"
 
 
@@ -345,6 +341,9 @@ PLOTS = ROOT / "docs" / "plots"
 README = ROOT / "README.md"
 TABLES = ("<!-- bench:start -->", "<!-- bench:end -->")
 SUMMARY = ("<!-- bench-summary:start -->", "<!-- bench-summary:end -->")
+# The scale-out part has sections of its own: `--only scale-out --docs` rewrites them alone.
+SCALE_OUT_TABLES = ("<!-- bench-scale-out:start -->", "<!-- bench-scale-out:end -->")
+SCALE_OUT_SUMMARY = ("<!-- bench-scale-out-summary:start -->", "<!-- bench-scale-out-summary:end -->")
 
 # The front page's rows: (part, the full table whose rows it reads, a row label). A label
 # that matches one row per size takes the last, the largest size.
@@ -414,6 +413,14 @@ def replace_between(path: Path, markers: tuple[str, str], text: str) -> None:
     path.write_text(f"{head}{start}\n{text}{end}{tail}")
 
 
+def update_scale_out_docs(result: dict[str, Any]) -> None:
+    """The scale-out part's tables into docs/benchmarks.md, its rows into the README."""
+    from benchmarks import scale_out
+
+    replace_between(DOCS_PAGE, SCALE_OUT_TABLES, "\n".join(scale_out.markdown(result)) + "\n")
+    replace_between(README, SCALE_OUT_SUMMARY, "\n".join(scale_out.headline(result)) + "\n")
+
+
 def update_docs(table: str, plotted: list[Path]) -> None:
     """The full tables and the plots into docs/benchmarks.md, the headline into the README."""
     PLOTS.mkdir(exist_ok=True)
@@ -439,7 +446,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results")
     parser.add_argument("--docs", action="store_true",
                         help="put the tables and plots into docs/benchmarks.md, the headline "
-                             "rows into README.md")
+                             "rows into README.md (with --only scale-out: that part's alone)")
     parser.add_argument("--skip-harbor", action="store_true", help="no real harbor job")
     parser.add_argument("--resume", action="store_true",
                         help="keep the parts a run that stopped early measured (in --out's "
@@ -448,8 +455,9 @@ def main() -> None:
                         help="one part of the suite (not with --docs); scale-out: the research "
                              "API and a harbor job on Ray worker processes against one process")
     args = parser.parse_args()
-    if args.only and args.docs:
-        parser.error("--docs needs every scenario: leave out --only")
+    if args.only and args.only != "scale-out" and args.docs:
+        parser.error("--docs needs every scenario (or --only scale-out, which has sections of "
+                     "its own): leave out --only")
     if args.smoke and (args.docs or not args.quick):
         parser.error("--smoke is a smaller --quick run, never for the docs: use it with "
                      "--quick and without --docs")
@@ -541,11 +549,18 @@ def main() -> None:
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     partial.unlink(missing_ok=True)
     table = markdown(results)
-    (args.out / "results.md").write_text(table)
+    scaled = ""
+    if results.get("scale_out"):
+        from benchmarks import scale_out
+
+        scaled = "\n" + "\n".join(scale_out.markdown(results["scale_out"])) + "\n"
+    (args.out / "results.md").write_text(table + scaled)
     written = plots(results, args.out)
-    if args.docs:
+    if args.docs and args.only != "scale-out":
         update_docs(table, written)
-    print(table)
+    if args.docs and results.get("scale_out"):
+        update_scale_out_docs(results["scale_out"])
+    print(table + scaled)
     print(f"results in {args.out}: results.json, results.md, "
           + ", ".join(p.name for p in written), file=sys.stderr)
 

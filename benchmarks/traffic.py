@@ -61,7 +61,7 @@ import time
 import urllib.request
 import uuid
 import warnings
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Awaitable, Callable, Collection, Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
@@ -386,11 +386,14 @@ class SendableSleepingEnvironment:
         raise NotImplementedError("the benchmark's environment only runs commands")
 
 
-def tree_cpu_s(pid: int) -> float:
+def tree_cpu_s(pid: int, workers: Collection[int] = ()) -> dict[str, float]:
     """CPU time (user and system) of `pid` and every process below it, as the kernel counts
-    it now: a driver and the Ray processes it started (its cluster, its workers)."""
+    it now, by role: `driver` (`pid` itself), `workers` (the pids in `workers`: a pool's
+    worker processes) and `ray` (every other process below it: the Ray daemons the driver
+    started, GCS, raylet and their helpers)."""
     ticks = os.sysconf("SC_CLK_TCK")
-    total, pending, seen = 0.0, [pid], set()
+    total = {"driver": 0.0, "workers": 0.0, "ray": 0.0}
+    pending, seen = [pid], set()
     while pending:
         current = pending.pop()
         if current in seen:
@@ -398,7 +401,8 @@ def tree_cpu_s(pid: int) -> float:
         seen.add(current)
         try:
             fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks
+            role = "driver" if current == pid else "workers" if current in workers else "ray"
+            total[role] += (int(fields[11]) + int(fields[12])) / ticks
             for listing in Path(f"/proc/{current}/task").glob("*/children"):
                 pending.extend(int(child) for child in listing.read_text().split())
         except (OSError, IndexError, ValueError):
@@ -427,7 +431,7 @@ class Burst:
     skip_model_parsing: bool = False
     window: Window = field(default_factory=Window)
     sampler: ThreadSampler = field(default_factory=ThreadSampler)
-    tree_cpu_s: float | None = None
+    tree_cpu_s: dict[str, float] | None = None  # by role (`tree_cpu_s`), for a layout of processes
 
     def trial_dir(self, index: int) -> Path:
         return self.root / f"trial-{index}"
@@ -723,12 +727,14 @@ def run_burst(burst: Burst) -> dict[str, Any]:
                         result.unwrap()
                 reset = urllib.request.Request(burst.base_url + "/stats/reset", method="POST")
                 await trio.to_thread.run_sync(lambda: urllib.request.urlopen(reset, timeout=60).close())
-                before = tree_cpu_s(os.getpid())  # this process, its Ray, its workers
+                pids = {worker.pid for worker in pool.workers}
+                before = tree_cpu_s(os.getpid(), pids)  # this process, its Ray, its workers
                 with burst.sampler.sampling():
                     window.open()
                     await research_trials(burst, doc, environments, pool)
                     window.close()
-                burst.tree_cpu_s = tree_cpu_s(os.getpid()) - before
+                after = tree_cpu_s(os.getpid(), pids)
+                burst.tree_cpu_s = {role: after[role] - before[role] for role in after}
                 nursery.cancel_scope.cancel()
 
         trio.run(workers_main)
@@ -773,14 +779,15 @@ def run_burst(burst: Burst) -> dict[str, Any]:
     wall = window.ended - window.launched
     steps = progress.commands + tally.submitted  # each a model call with its tool call
     # beyond one process, every process of the layout: this one, its Ray and its workers
-    cpu = burst.tree_cpu_s if burst.tree_cpu_s is not None else sum(window.cpu)
+    roles = burst.tree_cpu_s or {"driver": sum(window.cpu)}
+    cpu = sum(roles.values())
     all_started = progress.all_started_at
     return {
         "impl": burst.impl, "provider": burst.provider, "n": burst.n,
         "wmo_trio_host_env": os.environ.get("WMO_TRIO_HOST"),
         "model_s": profile.model_s, "command_s": profile.command_s, "ideal_s": profile.ideal_s,
         "cap_s": burst.cap_s, "wall_s": wall, "wall_over_ideal": wall / profile.ideal_s,
-        "cpu_s": cpu, "cpu_user_s": window.cpu[0], "cpu_sys_s": window.cpu[1],
+        "cpu_s": cpu, "cpu_user_s": window.cpu[0], "cpu_sys_s": window.cpu[1], "cpu_by_role_s": roles,
         "steps": steps, "cpu_per_step_ms": cpu / steps * 1000 if steps else float("nan"),
         "all_started_s": (all_started - window.launched) if all_started else float("nan"),
         "host_heartbeat": host_beat.figures(window.launched, all_started, window.ended)

@@ -66,7 +66,7 @@ def test_bench_quick_writes_results_table_and_plots(tmp_path: Path) -> None:
     assert "Beyond one process" in table and f"| wmo_trio thread | {cores} x 1 |" in table
     assert "No figures for" not in table
     assert "| added start latency, median | - |" in table
-    assert "| research API on 2 worker processes (Ray) |" in table
+    assert "| research API, 2 worker processes (Ray) |" in table
     assert "| `wmo-trio run`, 2 workers |" in table
     for plot in ("start_latency.png", "cancel_latency.png"):
         assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
@@ -93,6 +93,9 @@ def check_scale_out(scale_out: dict[str, Any]) -> None:
         assert run["steps"] == 5 * n and run["cpu_per_step_ms"] > 0, impl
         assert run["traces"] == (0 if impl == "sdk-alone" else n), impl
         assert run["server"]["requests"] == 5 * n, impl  # the workers' warm-up not counted
+    # every process of the workers' layout, each part apart
+    roles = runs["research-workers"]["cpu_by_role_s"]
+    assert set(roles) == {"driver", "workers", "ray"} and roles["workers"] > 0 < roles["driver"]
     jobs = scale_out["harbor"]
     for layout in ("one process", "2 workers"):
         assert "failed" not in jobs[layout], jobs[layout]

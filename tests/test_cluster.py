@@ -13,6 +13,7 @@ told to hold its replies until the test has acted.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -54,8 +55,11 @@ def ray_cluster() -> Iterator[Any]:
         patch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
         # This process's other children (earlier test files' servers) are not the cluster's.
         before = set(descendants(os.getpid()))
+        # What an embedded cluster starts (wmo_trio.cluster._session): no log monitor, no
+        # autoscaler monitor, two Python processes fewer to start.
         cluster = Cluster(initialize_head=True, shutdown_at_exit=False,
-                          head_node_args={"num_cpus": 1, "include_dashboard": False})
+                          head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                          "include_log_monitor": False, "no_monitor": True})
         try:
             cluster.add_node(num_cpus=1)
             yield cluster
@@ -79,9 +83,11 @@ def job_config(jobs_dir: Path, name: str, path: Path, *, attempts: int, concurre
         environment=LOCAL_ENVIRONMENT, model=model, provider_settings=provider or {}))
 
 
-def run_job(config: Any, **where: Any) -> tuple[Any, list[Any]]:
+def run_job(config: Any, niceness: dict[int, int] | None = None,
+            **where: Any) -> tuple[Any, list[Any]]:
     """`wmo_trio.harbor.run_job` in this process (trio owning it); the `JobResult` and the
-    trial events the workers saw."""
+    trial events the workers saw (and into `niceness`, each worker process's)."""
+    niceness = {} if niceness is None else niceness
     from wmo_trio.harbor import run_job as run
     from wmo_trio.harbor._job import harbor_progress_hidden
 
@@ -89,6 +95,8 @@ def run_job(config: Any, **where: Any) -> tuple[Any, list[Any]]:
 
     async def seen(event: Any) -> None:
         events.append(event)
+        with contextlib.suppress(OSError):  # a worker of another machine, or gone
+            niceness.setdefault(event.worker.pid, os.getpriority(os.PRIO_PROCESS, event.worker.pid))
 
     async def main() -> Any:
         with harbor_progress_hidden(), trio.fail_after(TIMEOUT_S), warnings.catch_warnings():
@@ -116,8 +124,12 @@ def test_a_job_on_two_workers_gives_the_same_trials_and_rewards_as_in_one_proces
 
     alone, _ = run_job(job_config(tmp_path, "alone", TASKS, attempts=8, concurrency=8))
     config = job_config(tmp_path, "workers", TASKS, attempts=8, concurrency=8)
-    shared, events = run_job(config, workers=2)
+    niceness: dict[int, int] = {}
+    shared, events = run_job(config, niceness, workers=2)
     assert outcomes(tmp_path / "workers") == outcomes(tmp_path / "alone")
+    # an embedded cluster's workers do this process's work at its priority (Ray's default
+    # nices them to 15)
+    assert set(niceness.values()) == {os.getpriority(os.PRIO_PROCESS, 0)}, niceness
     assert sum(outcomes(tmp_path / "workers").values()) == 24
     assert {event.worker.index for event in events} == {0, 1}  # both workers ran trials
     # harbor's own records: its stats, and a resume that finds every trial done
@@ -292,6 +304,19 @@ def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path: Path) -> None:
         assert trace["stop_reason"] == "cancelled-by-harbor" and trace["partial"] is True
 
 
+def held_specs(server: Any, directory: Path, name: str, count: int) -> list[Any]:
+    """Research episodes of the Anthropic SDK against `server`, each traced in `directory`."""
+    import wmo_trio
+    from wmo_trio import DirectoryEnvironment, EpisodeSpec
+
+    doc = wmo_trio.load_harness(ROOT / "examples" / "harness.json")
+    provider = {"kind": "anthropic", "model": "claude-bench", "base_url": server.base_url,
+                "api_key_env": KEY_ENV}
+    return [EpisodeSpec(doc, provider, "run the steps", DirectoryEnvironment(directory),
+                        task_id=f"{name}-{i}", trace_path=directory / f"{name}-{i}.json")
+            for i in range(count)]
+
+
 async def _within(seconds: float, afn: Any) -> None:
     with trio.fail_after(seconds):
         await afn()
@@ -332,16 +357,10 @@ async def test_cancelling_a_fan_out_on_workers_writes_each_partial_trace_here(
         ray_cluster: Any, tmp_path: Path) -> None:
     import wmo_trio
     from benchmarks.messages_server import serve
-    from wmo_trio import DirectoryEnvironment, EpisodeSpec
 
-    doc = wmo_trio.load_harness(ROOT / "examples" / "harness.json")
     with serve(delay_s=0, tool_calls=4) as server:
         server.hold()
-        provider = {"kind": "anthropic", "model": "claude-bench", "base_url": server.base_url,
-                    "api_key_env": KEY_ENV}
-        specs = [EpisodeSpec(doc, provider, "run four steps", DirectoryEnvironment(tmp_path),
-                             task_id=f"held-{i}", trace_path=tmp_path / f"held-{i}.json")
-                 for i in range(4)]
+        specs = held_specs(server, tmp_path, "held", 4)
         async with wmo_trio.open_episode_pool(limit=4, ray_address=ray_cluster.address) as pool:
             with trio.move_on_after(TIMEOUT_S) as cap:
                 async with pool.fan_out(specs):
@@ -352,3 +371,28 @@ async def test_cancelling_a_fan_out_on_workers_writes_each_partial_trace_here(
     for i in range(4):
         trace = json.loads((tmp_path / f"held-{i}.json").read_text())
         assert trace["stop_reason"] == "cancelled-by-caller" and trace["partial"] is True
+
+
+async def test_a_fan_out_whose_worker_is_killed_runs_its_episodes_again_and_loses_none(
+        ray_cluster: Any, tmp_path: Path) -> None:
+    import wmo_trio
+    from benchmarks.messages_server import serve
+
+    with serve(delay_s=0, tool_calls=1) as server:
+        server.hold()
+        specs = held_specs(server, tmp_path, "killed", 4)
+        reasons: dict[str, str] = {}
+        with trio.fail_after(TIMEOUT_S):
+            async with wmo_trio.open_episode_pool(limit=4, ray_address=ray_cluster.address) as pool:
+                killed = pool.workers[0].pid
+                async with pool.fan_out(specs) as results:
+                    while server.stats()["held"] < 4:  # noqa: ASYNC110 - another process's state
+                        await trio.sleep(0.2)
+                    os.kill(killed, signal.SIGKILL)  # two of the four episodes run there
+                    server.hold(False)
+                    async for spec, outcome in results:
+                        reasons[spec.task_id] = outcome.unwrap().stop_reason
+    assert alive({killed}) == set()
+    assert reasons == {spec.task_id: "submitted" for spec in specs}  # each once, none lost
+    for spec in specs:
+        assert json.loads(Path(str(spec.trace_path)).read_text())["stop_reason"] == "submitted"

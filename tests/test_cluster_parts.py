@@ -17,7 +17,8 @@ import trio
 from pydantic import ValidationError
 
 from wmo_trio.cluster import ClusterError, ClusterOptions, open_cluster
-from wmo_trio.cluster._tree import PackedEntry, PackedTree, TreeTooLarge, pack, remove_tree, unpack
+from wmo_trio.cluster._tree import PackedEntry, PackedTree, TreeTooLarge, pack, unpack
+from wmo_trio.sandbox._hostfs import remove_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -32,7 +32,7 @@ from wmo_trio.cluster._session import (
 if TYPE_CHECKING:
     from wmo_trio.cluster._fleet import FleetCallback, FleetEvent, TrialFleet, open_trial_fleet
     from wmo_trio.cluster._ray_wait import ray_value
-    from wmo_trio.cluster._tree import PackedTree, pack, remove_tree, unpack
+    from wmo_trio.cluster._tree import PackedTree, pack, unpack
     from wmo_trio.cluster._workers import WorkerInfo
 
 _LAZY = {
@@ -43,7 +43,6 @@ _LAZY = {
     "ray_value": "wmo_trio.cluster._ray_wait",
     "PackedTree": "wmo_trio.cluster._tree",
     "pack": "wmo_trio.cluster._tree",
-    "remove_tree": "wmo_trio.cluster._tree",
     "unpack": "wmo_trio.cluster._tree",
     "WorkerInfo": "wmo_trio.cluster._workers",
 }
@@ -65,7 +64,6 @@ __all__ = [
     "pack",
     "parse_workers",
     "ray_value",
-    "remove_tree",
     "unpack",
 ]
 

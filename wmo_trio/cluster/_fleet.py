@@ -41,7 +41,7 @@ from wmo_trio.cluster._session import (
     WorkerLostError,
     open_cluster,
 )
-from wmo_trio.cluster._tree import DEFAULT_TREE_LIMIT_BYTES, PackedTree, pack, remove_tree, unpack
+from wmo_trio.cluster._tree import DEFAULT_TREE_LIMIT_BYTES, PackedTree, pack, unpack
 from wmo_trio.cluster._trial_worker import (
     MAX_EVENT_BYTES,
     EventRecord,
@@ -58,6 +58,7 @@ from wmo_trio.cluster._workers import (
     started,
     stop_workers,
 )
+from wmo_trio.sandbox._hostfs import remove_tree
 
 log = logging.getLogger("wmo_trio.cluster")
 

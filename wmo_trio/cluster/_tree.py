@@ -9,7 +9,7 @@ target (every write goes through `wmo_trio.sandbox._hostfs`'s beneath-only calls
 sizes are bounded as the docker-free environment bounds a download (each file rounded up
 to whole 4 KiB blocks, each directory and link one block), paths are bounded, and the walk
 is breadth first with no recursion, so a tree thousands of levels deep costs no stack.
-`remove_tree` removes a directory the same way.
+Removing one is `wmo_trio.sandbox._hostfs.remove_tree`'s, the sandbox's own rule.
 """
 
 from __future__ import annotations
@@ -250,40 +250,3 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-
-
-def remove_tree(path: Path) -> None:
-    """Remove `path` and everything below it, links themselves and never what they point
-    to, without recursion (Python's `shutil.rmtree` recurses once per level) and with one
-    directory open at a time, however deep (a path past PATH_MAX included)."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(info.st_mode):
-        os.unlink(path)
-        return
-    fd = os.open(path, _DIR_FLAGS | os.O_NOFOLLOW | os.O_CLOEXEC)
-    names: list[str] = []  # the way down from `path`
-    while True:
-        below = None
-        with os.scandir(fd) as listing:
-            for entry in listing:
-                if entry.is_dir(follow_symlinks=False):
-                    below = entry.name
-                    break
-                os.unlink(entry.name, dir_fd=fd)
-        if below is not None:
-            child = os.open(below, _DIR_FLAGS | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = child
-            names.append(below)
-            continue
-        if not names:
-            os.close(fd)
-            os.rmdir(path)
-            return
-        parent = os.open("..", _DIR_FLAGS | os.O_CLOEXEC, dir_fd=fd)  # a real directory's parent
-        os.close(fd)
-        os.rmdir(names.pop(), dir_fd=parent)
-        fd = parent

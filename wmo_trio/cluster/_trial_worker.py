@@ -27,8 +27,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from wmo_trio.cluster._tree import DEFAULT_TREE_LIMIT_BYTES, PackedTree, pack, remove_tree, unpack
+from wmo_trio.cluster._tree import DEFAULT_TREE_LIMIT_BYTES, PackedTree, pack, unpack
 from wmo_trio.cluster._workers import WorkerInfo, this_worker
+from wmo_trio.sandbox._hostfs import remove_tree
 
 # A trial event holds the trial's config and its result so far: kilobytes.
 MAX_EVENT_BYTES = 4 << 20

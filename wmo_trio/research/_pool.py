@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -149,10 +150,10 @@ class _PoolEpisode(BackendEpisode):
     """An `Episode` (see `wmo_trio.engine.Episode`) for a trio-native environment."""
 
     def __init__(self, spec: EpisodeSpec, settings: EpisodeSettings, doc: HarnessDoc,
-                 provider: Provider, backend: Backend) -> None:
+                 provider: Provider, backend: Backend, keep_trace: Callable[[str], None] | None) -> None:
         super().__init__(spec.task_id, spec.instruction)
         self.spec, self.settings, self.doc, self.provider = spec, settings, doc, provider
-        self.backend = backend
+        self.backend, self.keep_trace = backend, keep_trace
         self.stop_is_quick = backend.abort_is_quick
         self.started_at = datetime.now(UTC)
 
@@ -162,14 +163,14 @@ class _PoolEpisode(BackendEpisode):
         return execution, _TrioEnvironmentAdapter(self.spec.environment, control)
 
     def record(self, result: outcome.Outcome[RunResult], cancelled: bool) -> None:
-        if self.spec.trace_path is None:
+        if self.keep_trace is None:
             return
         identity = TraceIdentity(task_id=self.task_id, doc_hash=self.doc.doc_hash,
                                  model=self.provider.config.model_name,
                                  started_at=self.started_at, ended_at=datetime.now(UTC))
         trace = trace_for(identity, result,
                           cancelled=CANCELLED_BY_CALLER if cancelled else None, log=self.log)
-        write_atomically(Path(self.spec.trace_path), trace_text(trace))
+        self.keep_trace(trace_text(trace))
 
 
 class _Resolved:
@@ -326,12 +327,20 @@ class EpisodePool(Pool):
         current_engine().ensure_workers(self.limit)
 
     async def run_spec(self, spec: EpisodeSpec) -> RunResult:
+        keep = None if spec.trace_path is None else partial(write_atomically, Path(spec.trace_path))
+        return await self.run_keeping_trace(spec, keep)
+
+    async def run_keeping_trace(self, spec: EpisodeSpec,
+                                keep_trace: Callable[[str], None] | None) -> RunResult:
+        """`run_spec`, the trace's text handed to `keep_trace` (in the episode's worker
+        thread, shielded as a trace write is) instead of written at `spec.trace_path`: a
+        worker process sends it to the pool's driver."""
         settings: EpisodeSettings = EpisodeSettings.parse(
             {"episode_timeout": spec.episode_timeout, "context_window": spec.context_window})
         doc = await self._resolved.doc(spec.doc)
         backend = await self._resolved.backend(doc, spec.backend)
         provider = await self._resolved.provider(spec.provider)
-        episode = _PoolEpisode(spec, settings, doc, provider, backend)
+        episode = _PoolEpisode(spec, settings, doc, provider, backend, keep_trace)
         async with self._limiter:
             return await current_engine().run_episode(episode, workers=self.limit)
 
