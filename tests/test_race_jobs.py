@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import trio
-from support.race import candidate
+from support.race import (
+    ENV,
+    assert_reads_as_the_race_so_far,
+    candidate,
+    interrupted_race,
+    make_tasks,
+    race_args,
+)
 from support.readme import blocks, make_clone, run_as_written
 from typer.testing import CliRunner
 
@@ -35,42 +37,10 @@ from wmo_trio.race import RaceReport
 from wmo_trio.race._harbor import read_race, run_race
 
 ROOT = Path(__file__).resolve().parent.parent
-HELLO = ROOT / "examples" / "tasks" / "hello-file"
-ENV = "wmo_trio.harbor:LocalEnvironment"
 TASKS = 10
 # docs/race.md's example: it runs here as written, from a clone's layout.
 [EXAMPLE] = [b for b in blocks(ROOT / "docs" / "race.md")
              if b.lang == "sh" and "wmo-trio race" in b.body]
-
-
-
-
-
-def make_tasks(root: Path, count: int, *, broken_build: bool = False) -> Path:
-    """`count` tasks asking for /app/answer.txt, each instruction its own; and one whose
-    image cannot be built."""
-    for i in range(count):
-        task = root / f"answer-{i:02d}"
-        shutil.copytree(HELLO, task)
-        (task / "instruction.md").write_text(f"Task {i}: write `ok` to /app/answer.txt.\n")
-        (task / "tests" / "test.sh").write_text(
-            "#!/bin/sh\nmkdir -p /logs/verifier\n"
-            "if [ \"$(cat /app/answer.txt 2>/dev/null)\" = ok ]; then echo 1; else echo 0; fi"
-            " > /logs/verifier/reward.txt\n")
-    if broken_build:
-        task = root / "unbuildable"
-        shutil.copytree(HELLO, task)
-        with (task / "environment" / "Dockerfile").open("a") as dockerfile:
-            dockerfile.write("RUN exit 3\n")
-    return root
-
-
-def race_args(jobs: Path, tasks: Path, *docs: Path, name: str = "race") -> list[str]:
-    args = ["race", "-p", str(tasks), "-o", str(jobs), "--job-name", name, "-e", ENV,
-            "--backend", "local", "-n", "4"]
-    for doc in docs:
-        args += ["--harness", str(doc)]
-    return args
 
 
 @pytest.fixture(scope="module")
@@ -168,38 +138,12 @@ def test_one_candidate_is_refused_before_anything_runs(tmp_path: Path) -> None:
 
 @pytest.mark.harbor
 def test_ctrl_c_leaves_a_job_directory_that_reads_as_the_race_so_far(tmp_path: Path) -> None:
-    tasks = make_tasks(tmp_path / "tasks", 8)
-    docs = [candidate(tmp_path, "slow-a", 0.5, pause=3), candidate(tmp_path, "slow-b", 0.5,
-                                                                     pause=3)]
-    command = [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, "
-               "signal.SIG_DFL); from wmo_trio.cli import main; sys.argv[0] = 'wmo-trio'; "
-               "main()", *race_args(tmp_path / "jobs", tasks, *docs), "--alpha", "0.01",
-               "--familywise"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env={**os.environ, "COLUMNS": "200"})
-    race_file = tmp_path / "jobs" / "race" / "race.json"
-    deadline = time.monotonic() + 240
-    try:
-        while not (race_file.is_file() and read_race(race_file.parent).rounds >= 1):
-            assert process.poll() is None, process.communicate()
-            assert time.monotonic() < deadline, "the first round never finished"
-            time.sleep(0.2)
-        time.sleep(1.0)  # into the second round
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 130, stderr
+    code, _, stderr = interrupted_race(tmp_path, "--familywise")
+    assert code == 130, stderr
     assert "reads as the race so far" in stderr
-    report = read_race(race_file.parent)
-    assert (report.finished, report.stop_reason) == (False, "interrupted")
-    assert report.rounds >= 1 and report.note is not None
+    assert_reads_as_the_race_so_far(tmp_path / "jobs" / "race")
+    report = read_race(tmp_path / "jobs" / "race")
     assert report.settings.familywise is True and report.gate_open is None
-    # The directory is a harbor job still: its finished trials, the round cut short too.
-    records = load_jobs([race_file.parent])
-    assert len(records) >= report.trials
-    assert json.loads((race_file.parent / "result.json").read_text())["finished_at"] is None
 
 
 @pytest.mark.harbor

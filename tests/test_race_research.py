@@ -7,21 +7,18 @@ from pathlib import Path
 
 import pytest
 import trio
-from support.race import candidate
+from support.race import candidate, research_tasks
 
-from wmo_trio import DirectoryEnvironment, load_harness
-from wmo_trio.models import RunResult
+from wmo_trio import load_harness
 from wmo_trio.race import (
     Attempt,
     RaceError,
     RaceLedger,
     RaceReport,
-    RaceTask,
     race,
     race_rounds,
     task_order,
 )
-from wmo_trio.research import TrioEnvironment
 
 
 def test_an_unscored_attempt_counts_zero_unless_the_task_has_no_reward_at_all() -> None:
@@ -93,24 +90,6 @@ def test_a_race_json_from_before_the_choice_reads_as_the_closure() -> None:
 def test_a_race_needs_two_candidates() -> None:
     with pytest.raises(RaceError, match="at least two different candidates"):
         RaceLedger({"a": "A"}, ["t"])
-
-
-def answered(environment: TrioEnvironment, result: RunResult) -> float:
-    assert isinstance(environment, DirectoryEnvironment)
-    answer = environment.workdir / "answer.txt"
-    return float(answer.is_file() and answer.read_text() == "ok\n")
-
-
-def research_tasks(root: Path, count: int) -> list[RaceTask]:
-    def fresh(name: str) -> DirectoryEnvironment:
-        workdir = root / name / str(len(list((root / name).glob("*"))))
-        workdir.mkdir(parents=True)
-        return DirectoryEnvironment(workdir)
-
-    for i in range(count):
-        (root / f"task-{i}").mkdir(parents=True)
-    return [RaceTask(f"task-{i}", f"Task {i}: write ok to answer.txt.",
-                     lambda i=i: fresh(f"task-{i}"), answered) for i in range(count)]
 
 
 async def test_the_research_race_drops_the_worse_over_real_episodes(tmp_path: Path) -> None:

@@ -79,49 +79,63 @@ def fail(message: str, code: int = BAD_INPUT) -> typer.Exit:
     return typer.Exit(code)
 
 
+# The options `run` and `race` share, each written once: both build their harbor job with
+# `build_job_config`, so a flag means the same in both (the job name's default included).
+TaskPaths = Annotated[list[Path] | None, typer.Option(
+    "-p", "--path", help="A harbor task directory or a directory of tasks (repeatable). "
+    "Default: the bundled example tasks.")]
+Concurrency = Annotated[int, typer.Option(
+    "-n", "--n-concurrent", help="Trials run at once (a race's round holds enough tasks to keep "
+    "them busy).")]
+Attempts = Annotated[int, typer.Option("-k", "--n-attempts", help="Attempts per task.")]
+JobsDir = Annotated[Path, typer.Option("-o", "--jobs-dir", help="Where job directories go.")]
+JobName = Annotated[str | None, typer.Option(
+    "--job-name", help="The job directory's name under --jobs-dir. Default: the start time, as "
+    "harbor names it (2026-01-31__14-05-09).")]
+Environment = Annotated[str | None, typer.Option(
+    "-e", "--env", help="A harbor environment type or import path. Default: docker when a "
+    "Docker daemon answers, else wmo_trio.harbor:LocalEnvironment.")]
+Model = Annotated[str, typer.Option(
+    "-m", "--model", help="kind/model: scripted/offline (no API key), anthropic/<model>, "
+    "or openai/<model> for OpenAI or any OpenAI-compatible server (vLLM, SGLang, Ollama, "
+    "OpenRouter; give its base_url with --provider-config).")]
+ProviderConfig = Annotated[str | None, typer.Option(
+    "--provider-config", help="Extra provider settings as a JSON object, e.g. "
+    '\'{"base_url": "http://localhost:8000/v1", "api_key_env": null}\'.')]
+Backend = Annotated[str | None, typer.Option(
+    "--backend", help="Where the episode's program runs: local, e2b or sandbox. Default: "
+    "sandbox for a code:runtime document where this machine can run it, else local.")]
+Workers = Annotated[str | None, typer.Option(
+    "--workers", help="Run the trials on N worker processes of this machine (auto: one per "
+    "core), on a Ray started and stopped by this command; needs pip install "
+    "'wmo_trio\\[ray]'.")]
+RayAddress = Annotated[str | None, typer.Option(
+    "--ray-address", help="Run the trials on the running Ray cluster at ADDRESS (auto: "
+    "RAY_ADDRESS, or the cluster ray start began here), one worker per node unless "
+    "--workers says how many.")]
+
+
 @app.command(cls=Command)
 def run(
-    path: Annotated[list[Path] | None, typer.Option(
-        "-p", "--path", help="A harbor task directory or a directory of tasks (repeatable). "
-        "Default: the bundled example tasks.")] = None,
-    concurrency: Annotated[int, typer.Option("-n", "--n-concurrent",
-                                             help="Trials run at once.")] = 4,
-    attempts: Annotated[int, typer.Option("-k", "--n-attempts", help="Attempts per task.")] = 1,
-    jobs_dir: Annotated[Path, typer.Option("-o", "--jobs-dir", help="Where job directories go.")]
-    = Path("jobs"),
-    job_name: Annotated[str | None, typer.Option(
-        "--job-name", help="The job directory's name under --jobs-dir. Default: the start "
-        "time, as harbor names it (2026-01-31__14-05-09).")] = None,
-    environment: Annotated[str | None, typer.Option(
-        "-e", "--env", help="A harbor environment type or import path. Default: docker when a "
-        "Docker daemon answers, else wmo_trio.harbor:LocalEnvironment.")] = None,
+    path: TaskPaths = None,
+    concurrency: Concurrency = 4,
+    attempts: Attempts = 1,
+    jobs_dir: JobsDir = Path("jobs"),
+    job_name: JobName = None,
+    environment: Environment = None,
     harness: Annotated[Path | None, typer.Option(
         "--harness", help="The harness document (JSON). Default: the bundled example.")] = None,
-    model: Annotated[str, typer.Option(
-        "-m", "--model", help="kind/model: scripted/offline (no API key), anthropic/<model>, "
-        "or openai/<model> for OpenAI or any OpenAI-compatible server (vLLM, SGLang, Ollama, "
-        "OpenRouter; give its base_url with --provider-config).")] = "scripted/offline",
-    provider_config: Annotated[str | None, typer.Option(
-        "--provider-config", help="Extra provider settings as a JSON object, e.g. "
-        '\'{"base_url": "http://localhost:8000/v1", "api_key_env": null}\'.')] = None,
+    model: Model = "scripted/offline",
+    provider_config: ProviderConfig = None,
     episode_timeout_sec: Annotated[float, typer.Option(
         "--episode-timeout", help="The episode's wall-clock budget, seconds (more than 0).")]
     = DEFAULT_EPISODE_TIMEOUT_SEC,
     command_timeout_sec: Annotated[int, typer.Option(
         "--command-timeout", help=f"Each command's timeout, 1..{MAX_COMMAND_TIMEOUT_SEC} s.")]
     = DEFAULT_COMMAND_TIMEOUT_SEC,
-    backend: Annotated[str | None, typer.Option(
-        "--backend", help="Where the episode's program runs: local, e2b or sandbox. Default: "
-        "sandbox for a code:runtime document where this machine can run it, else local.")]
-    = None,
-    workers: Annotated[str | None, typer.Option(
-        "--workers", help="Run the trials on N worker processes of this machine (auto: one per "
-        "core), on a Ray started and stopped by this command; needs pip install "
-        "'wmo_trio\\[ray]'.")] = None,
-    ray_address: Annotated[str | None, typer.Option(
-        "--ray-address", help="Run the trials on the running Ray cluster at ADDRESS (auto: "
-        "RAY_ADDRESS, or the cluster ray start began here), one worker per node unless "
-        "--workers says how many.")] = None,
+    backend: Backend = None,
+    workers: Workers = None,
+    ray_address: RayAddress = None,
 ) -> None:
     """Run a harbor job with the wmo_trio agent, trio owning the loop (trio-asyncio)."""
     from rich.live import Live
@@ -136,6 +150,7 @@ def run(
         cluster_options,
         examples_dir,
         interrupted_line,
+        run_on_trio,
         run_with_progress,
         scan_job,
         summary_line,
@@ -163,13 +178,11 @@ def run(
             raise fail("interrupted before the job started", INTERRUPTED) from None
     if refused is not None:
         raise fail(str(refused))
-    import trio
-
     from wmo_trio.cluster import ClusterError
 
     job_dir = Path(config.jobs_dir) / str(config.job_name)
     try:
-        trio.run(run_with_progress, config, console, cluster)
+        run_on_trio(run_with_progress, config, console, cluster)
     except JobInterrupted:
         raise fail(interrupted_line(job_dir), INTERRUPTED) from None
     except ClusterError as error:  # before any trial: no cluster there, a worker cannot load
@@ -195,9 +208,7 @@ def run(
 def race(
     harness: Annotated[list[Path], typer.Option(
         "--harness", help="A candidate harness document (JSON); repeat for each candidate.")],
-    path: Annotated[list[Path] | None, typer.Option(
-        "-p", "--path", help="A harbor task directory or a directory of tasks (repeatable). "
-        "Default: the bundled example tasks.")] = None,
+    path: TaskPaths = None,
     baseline: Annotated[Path | None, typer.Option(
         "--baseline", help="The incumbent's document: each candidate stops as soon as it is "
         "shown better or worse than it.")] = None,
@@ -212,22 +223,16 @@ def race(
         "--max-trials", help="Stop before running more trials than this.")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the task order.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    concurrency: Annotated[int, typer.Option("-n", "--n-concurrent",
-                                             help="Trials run at once.")] = 4,
-    attempts: Annotated[int, typer.Option("-k", "--n-attempts", help="Attempts per task.")] = 1,
-    jobs_dir: Annotated[Path, typer.Option("-o", "--jobs-dir", help="Where job directories go.")]
-    = Path("jobs"),
-    job_name: Annotated[str | None, typer.Option(
-        "--job-name", help="The job directory's name under --jobs-dir. Default: the start "
-        "time.")] = None,
-    environment: Annotated[str | None, typer.Option(
-        "-e", "--env", help="A harbor environment type or import path (as for run).")] = None,
-    model: Annotated[str, typer.Option(
-        "-m", "--model", help="kind/model, as for run.")] = "scripted/offline",
-    provider_config: Annotated[str | None, typer.Option(
-        "--provider-config", help="Extra provider settings as a JSON object.")] = None,
-    backend: Annotated[str | None, typer.Option(
-        "--backend", help="Where a document's program runs: local, e2b or sandbox.")] = None,
+    concurrency: Concurrency = 4,
+    attempts: Attempts = 1,
+    jobs_dir: JobsDir = Path("jobs"),
+    job_name: JobName = None,
+    environment: Environment = None,
+    model: Model = "scripted/offline",
+    provider_config: ProviderConfig = None,
+    backend: Backend = None,
+    workers: Workers = None,
+    ray_address: RayAddress = None,
 ) -> None:
     """Race candidates on the same tasks in rounds; drop each as soon as it is shown worse.
 
@@ -237,8 +242,9 @@ def race(
     from rich.live import Live
     from rich.spinner import Spinner
 
+    from wmo_trio.cli._interrupt import INTERRUPTED
     from wmo_trio.cli._race import build_race, run_with_display, standings_table, summary_lines
-    from wmo_trio.cli._run import BadInput, RunOptions, examples_dir
+    from wmo_trio.cli._run import BadInput, RunOptions, cluster_options, examples_dir, run_on_trio
 
     options = RunOptions(
         paths=path or [examples_dir() / "tasks"], concurrency=concurrency, attempts=attempts,
@@ -248,19 +254,22 @@ def race(
     with Live(Spinner("dots", "loading harbor, checking the options and the documents …"),
               console=errors, transient=True):
         try:
+            cluster = cluster_options(workers, ray_address)
             plan = build_race(options, harness, baseline=baseline, alpha=alpha,
                               max_trials=max_trials, seed=seed, familywise=familywise)
         except BadInput as error:
             refused = error
     if refused is not None:
         raise fail(str(refused))
-    import trio
+    from wmo_trio.cluster import ClusterError
 
     try:
-        report = trio.run(run_with_display, plan, None if as_json else console)
+        report = run_on_trio(run_with_display, plan, None if as_json else console, cluster)
     except KeyboardInterrupt:
         raise fail(f"interrupted; {plan.job_dir.resolve()} reads as the race so far "
-                   "(race.json)", 130) from None
+                   "(race.json)", INTERRUPTED) from None
+    except ClusterError as error:  # before any trial: no cluster there, a worker cannot load
+        raise fail(str(error)) from None
     except Exception as error:  # the race itself broke: infrastructure, not a candidate
         raise fail(f"the race failed: {type(error).__name__}: {error}",
                    INFRASTRUCTURE_FAILURE) from error

@@ -14,6 +14,7 @@ from rich.text import Text
 from wmo_trio.cli._run import AGENT_IMPORT_PATH, BadInput, RunOptions, agent_kwargs, build_job_config
 
 if TYPE_CHECKING:
+    from wmo_trio.cluster import ClusterOptions
     from wmo_trio.race import RaceReport
     from wmo_trio.race._harbor import HarborRace, RaceProgress
 
@@ -61,21 +62,29 @@ def build_race(options: RunOptions, harnesses: list[Path], *, baseline: Path | N
                       familywise=familywise)
 
 
-async def run_with_display(race: HarborRace, console: Console | None) -> RaceReport:
-    """Run the race on the trio host, with a live display unless `console` is None.
+async def run_with_display(race: HarborRace, console: Console | None,
+                           cluster: ClusterOptions | None = None) -> RaceReport:
+    """Run the race on the trio host, with a live display unless `console` is None; with
+    `cluster` (`--workers`/`--ray-address`), every round's trials on the workers of one
+    `TrialFleet` opened for the whole race (each candidate's agent and the environment
+    loaded on every worker before the first round: a `ClusterError` otherwise).
 
     Ctrl-C (SIGINT, or SIGTERM) stops it as it stops `wmo-trio run`: the round in flight
-    is cancelled, its trials stopped and waited for, and the job directory left reading
-    as the race so far, then `KeyboardInterrupt` propagates; a second Ctrl-C while that
-    cleanup runs leaves at once (`leave_now`)."""
+    is cancelled, its trials stopped and waited for (on their workers, their directories
+    written here), the job directory left reading as the race so far and the workers and
+    an embedded Ray stopped, then `KeyboardInterrupt` propagates; a second Ctrl-C while
+    that cleanup runs leaves at once (`leave_now`)."""
     import trio
     from rich.live import Live
 
     from wmo_trio.cli._interrupt import cancelled_on_interrupt, leave_now
     from wmo_trio.harbor._job import harbor_progress_hidden
+    from wmo_trio.harbor._trials import open_trial_runner
     from wmo_trio.race._harbor import RaceProgress, run_race
 
     progress = RaceProgress()
+    if cluster is not None:
+        progress.stage = "starting the workers (Ray), each loading the candidates' agent"
     report: RaceReport | None = None
 
     async def show() -> None:
@@ -92,7 +101,8 @@ async def run_with_display(race: HarborRace, console: Console | None) -> RaceRep
                                           lambda: leave_now(race.job_dir)) as interrupt:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(show)
-                report = await run_race(race, progress=progress)
+                async with open_trial_runner(race.config, cluster) as runner:
+                    report = await run_race(race, runner=runner, progress=progress)
                 nursery.cancel_scope.cancel()
     if interrupt.received or report is None:
         raise KeyboardInterrupt

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -423,6 +424,24 @@ def cluster_options(workers: str | None, ray_address: str | None) -> Any:
     except ClusterError as error:
         raise BadInput(str(error)) from None
     return options
+
+
+def run_on_trio[T](afn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """`trio.run(afn, *args)`, an exception group that holds a single exception (however
+    deeply) raised as that exception. trio's nurseries wrap whatever leaves their body in a
+    group; the commands tell a refusal (`ClusterError`: exit code 2, its one line) from a
+    failure by its type."""
+    import trio
+
+    try:
+        return trio.run(afn, *args)
+    except BaseExceptionGroup as group:
+        lone: BaseException = group
+        while isinstance(lone, BaseExceptionGroup) and len(lone.exceptions) == 1:
+            lone = lone.exceptions[0]
+        if lone is group:
+            raise
+        raise lone from None
 
 
 async def run_with_progress(config: Any, console: Console, cluster: Any = None) -> Path:

@@ -5,17 +5,22 @@ A `TrialRunner` takes harbor `TrialConfig`s (each names its `trials_dir`: the jo
 directory) and returns their `TrialResult`s in the same order, each trial written by
 harbor's own `Trial` as in any job (`<job>/<trial>/result.json`, the agent's logs). This
 module's `run_trials_here` runs them in this process with harbor's `TrialQueue` (its
-concurrency bound, retries and hooks) on trio-asyncio's loop. Another runner (on Ray
-workers, say) only has to keep the same contract: same order, same files, and on
-cancellation the trials stopped and waited for before it returns.
+concurrency bound, retries and hooks) on trio-asyncio's loop; a `TrialFleet`'s
+`run_trials` (`wmo_trio.cluster`) runs them on Ray worker processes and keeps the same
+contract: same order, same files, and on cancellation the trials stopped and waited for
+before it returns. `open_trial_runner` gives the one or the other for a job's options.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, Protocol
 
 from wmo_trio.engine import run_asyncio
+
+if TYPE_CHECKING:
+    from wmo_trio.cluster import ClusterOptions
 
 # A callback for harbor's trial events (`TrialHookEvent`), run on harbor's loop.
 TrialWatcher = Callable[[Any], Awaitable[None]]
@@ -53,3 +58,22 @@ async def run_trials_here(configs: Sequence[Any], *, concurrency: int,
         return [task.result() for task in tasks]
 
     return await run_asyncio(run_all)
+
+
+@asynccontextmanager
+async def open_trial_runner(config: Any, cluster: ClusterOptions | None = None
+                            ) -> AsyncIterator[TrialRunner]:
+    """The trial runner for this block, for trials of the harbor `JobConfig` `config`:
+    `run_trials_here` without `cluster`; with it, the `run_trials` of a `TrialFleet` on
+    the workers it names, opened once for the block. Every worker has then loaded each of
+    `config`'s agents and its environment before the block starts (a `ClusterError` in one
+    line otherwise, before any trial); leaving the block stops the workers, and an
+    embedded Ray, whether it ends normally, raises or is cancelled."""
+    if cluster is None:
+        yield run_trials_here
+        return
+    from wmo_trio.cluster import open_trial_fleet
+
+    async with open_trial_fleet(cluster, concurrency=config.n_concurrent_trials,
+                                agents=config.agents, environment=config.environment) as fleet:
+        yield fleet.run_trials

@@ -54,6 +54,8 @@ async def race_rounds(
     limit: int = 32,
     episode_timeout: float = DEFAULT_EPISODE_TIMEOUT_SEC,
     backend: str | None = None,
+    workers: int | str | None = None,
+    ray_address: str | None = None,
 ) -> AsyncIterator[RaceReport]:
     """Race `candidates` (documents, as `EpisodePool.run` takes them) on `tasks`, yielding
     the report after every round; the last one is the finished race. `baseline` is the
@@ -61,6 +63,12 @@ async def race_rounds(
     over the per-candidate one (docs/race.md); `limit` bounds the episodes run at once,
     `episode_timeout` and `backend` are `EpisodePool.run`'s. Raises `RaceError` before any episode runs
     for input a race cannot use (fewer than two different documents among them).
+
+    `workers` / `ray_address` run the episodes on Ray worker processes, as
+    `open_episode_pool` takes them (one pool for the whole race). Each episode then runs
+    in a copy of its environment sent to a worker, while `score` is called here with the
+    object the task's factory made: a score that reads what the episode left must find it
+    where both see it (a `DirectoryEnvironment`'s directory, with workers of this machine).
 
     Cancelling the iteration's scope cancels the round's episodes, with the pool's
     guarantees (stopped, waited for, traces written).
@@ -77,7 +85,7 @@ async def race_rounds(
                         alpha=alpha, attempts=attempts, seed=seed, max_trials=max_trials,
                         baseline=None if baseline is None else keys[baseline],
                         familywise=familywise)
-    async with open_episode_pool(limit) as pool:
+    async with open_episode_pool(limit, workers=workers, ray_address=ray_address) as pool:
         def next_round() -> Round | None:
             return ledger.next_round(default_batch(limit, len(ledger.running), attempts))
 

@@ -22,6 +22,7 @@ from wmo_trio.race._ledger import Attempt, RaceError, RaceLedger, default_batch,
 from wmo_trio.race._report import RACE_FILENAME, RaceReport
 
 AGENT_TIMEOUT = "AgentTimeoutError"
+RESOLVING = "resolving the tasks (harbor's plan, the agents' preflight)"
 
 
 @dataclass
@@ -48,7 +49,7 @@ class RaceProgress:
     """What the live display reads: the ledger, and the trials of the round running."""
 
     ledger: RaceLedger | None = None
-    stage: str = "resolving the tasks (harbor's plan, the agents' preflight)"
+    stage: str = RESOLVING
     running: dict[str, str] = field(default_factory=dict)  # trial name -> phase
     round_trials: int = 0
     round_done: int = 0
@@ -75,6 +76,7 @@ async def run_race(race: HarborRace, *, runner: TrialRunner = run_trials_here,
     from wmo_trio.engine import run_asyncio
 
     progress = progress or RaceProgress()
+    progress.stage = RESOLVING
     config = _documents_inline(race)
     for agent in config.agents:
         AgentFactory.run_preflight(agent, skip_credential_checks=config.skip_credential_checks)
