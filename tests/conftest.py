@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,15 @@ if TYPE_CHECKING:
 # (harbor's preflight imports it as well when `-m` is given without
 # --skip-model-parsing-and-provider-mapping.)
 os.environ.setdefault("HARBOR_TELEMETRY", "0")
+
+
+@pytest.fixture(autouse=True)
+def _servers_checked_afresh() -> None:
+    """The OpenAI kind checks a server once per process for its URL: a test's loopback
+    server can get the port of an earlier test's, and would inherit its model list."""
+    checks = sys.modules.get("wmo_trio.providers._openai_check")
+    if checks is not None:
+        checks._checked_servers.clear()
 
 
 @pytest.fixture
