@@ -21,7 +21,6 @@ from wmo_trio.harbor._trials import TrialRunner, TrialWatcher, run_trials_here
 from wmo_trio.race._ledger import Attempt, RaceError, RaceLedger, default_batch, task_order
 from wmo_trio.race._report import RACE_FILENAME, RaceReport
 
-AGENT_TIMEOUT = "AgentTimeoutError"
 RESOLVING = "resolving the tasks (harbor's plan, the agents' preflight)"
 
 
