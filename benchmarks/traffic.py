@@ -22,7 +22,7 @@ baseline) or from `trio.run` + `trio_asyncio.open_loop()`;
   environment;
 - `sdk-alone`: no agent, no wmo_trio, no harbor: the same episodes as one trio program
   would write them with the SDK's async client (a task per episode, `trio.sleep` for a
-  command, one client per 64 episodes as the engine shares them), so the floor of any
+  command, one client per 16 episodes as the engine shares them), so the floor of any
   design in one process at this traffic, measured in the same run (no traces, no
   worker threads; `anthropic` and `openai` only).
 
@@ -564,7 +564,7 @@ async def sdk_alone_trials(burst: Burst) -> None:
 
     config = burst.provider_config()
     limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
-    per_client = 64
+    per_client = 16  # as the engine shares its clients (CALLS_PER_CLIENT)
     clients: list[Any] = []
     for _ in range(max(1, -(-burst.n // per_client))):
         if burst.provider == "anthropic":
