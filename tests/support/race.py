@@ -91,7 +91,7 @@ def interrupted_race(root: Path, *options: str,
                      before_signal: Callable[[subprocess.Popen[str]], None] = lambda _: None,
                      timeout_s: float = 240) -> tuple[int | None, str, str]:
     """`wmo-trio race` of two slow candidates on eight tasks (job `root/jobs/race`), in a
-    subprocess, sent SIGINT a second after its first round ended; its exit code, stdout
+    subprocess, sent SIGINT once a trial of its second round has started; its exit code, stdout
     and stderr. `before_signal` sees the process just before the signal."""
     from wmo_trio.race._harbor import read_race
 
@@ -109,7 +109,12 @@ def interrupted_race(root: Path, *options: str,
             assert process.poll() is None, process.communicate()
             assert time.monotonic() < deadline, "the first round never finished"
             time.sleep(0.2)
-        time.sleep(1.0)  # into the second round
+        counted = read_race(job).trials
+        # into the second round: one of its trials has its directory (each runs 3 s at least)
+        while sum(1 for path in job.iterdir() if path.is_dir()) <= counted:
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the second round never started"
+            time.sleep(0.2)
         before_signal(process)
         process.send_signal(signal.SIGINT)
         stdout, stderr = process.communicate(timeout=timeout_s)
