@@ -147,6 +147,25 @@ def test_ctrl_c_leaves_a_job_directory_that_reads_as_the_race_so_far(tmp_path: P
 
 
 @pytest.mark.harbor
+def test_ctrl_c_before_the_first_trial_says_no_race_was_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Ctrl-C while Ray or harbor still starts: the run is interrupted before race.json.
+    import wmo_trio.cli._run
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(wmo_trio.cli._run, "run_on_trio", interrupted)
+    docs = [candidate(tmp_path, "a", 1.0), candidate(tmp_path, "b", 0.0)]
+    tasks = make_tasks(tmp_path / "tasks", 2)
+    result = CliRunner().invoke(app, race_args(tmp_path / "jobs", tasks, *docs))
+    assert result.exit_code == 130, result.output
+    assert "interrupted before the race's first trial; no race was written to" in result.output
+    assert "reads as the race so far" not in result.output
+
+
+@pytest.mark.harbor
 def test_the_docs_example_races_the_bundled_candidates(tmp_path: Path) -> None:
     clone = make_clone(tmp_path)
     completed = run_as_written(EXAMPLE, clone)

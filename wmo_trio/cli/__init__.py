@@ -266,8 +266,12 @@ def race(
     try:
         report = run_on_trio(run_with_display, plan, None if as_json else console, cluster)
     except KeyboardInterrupt:
-        raise fail(f"interrupted; {plan.job_dir.resolve()} reads as the race so far "
-                   "(race.json)", INTERRUPTED) from None
+        job = plan.job_dir.resolve()
+        if (job / "race.json").is_file():
+            raise fail(f"interrupted; {job} reads as the race so far (race.json)",
+                       INTERRUPTED) from None
+        raise fail(f"interrupted before the race's first trial; no race was written to {job}",
+                   INTERRUPTED) from None
     except ClusterError as error:  # before any trial: no cluster there, a worker cannot load
         raise fail(str(error)) from None
     except Exception as error:  # the race itself broke: infrastructure, not a candidate
