@@ -65,6 +65,43 @@ def test_the_agent_reads_harbors_timeout_from_the_call_that_awaits_it(
     assert _timeout_seen(wrap) == seen
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "trio-asyncio"])
+def test_a_run_that_starts_late_still_reads_harbors_timeout_as_harbor_set_it(loop: str) -> None:
+    # On a loaded machine run() can start well after wait_for started its clock. Its
+    # deadline counted from run()'s start would then be late, and harbor's timeout read as
+    # another cancellation; wait_for's own Timeout, found once the task waits, is not.
+    import time
+
+    read: list[bool] = []
+
+    async def run() -> None:
+        time.sleep(0.5)  # a late start: the interpreter busy elsewhere, as under load
+        timed_out = harbor_agent_timeout()
+        assert timed_out is not None
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            read.append(timed_out())
+            raise
+
+    async def trial() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(run(), timeout=1.0)
+
+    if loop == "asyncio":
+        asyncio.run(trial())
+    else:
+        import trio
+        import trio_asyncio
+
+        async def main() -> None:
+            async with trio_asyncio.open_loop():
+                await trio_asyncio.aio_as_trio(trial)()
+
+        trio.run(main)
+    assert read == [True]
+
+
 # -- the job's configuration, as the docker-free environment reads it -----------------------
 
 

@@ -193,7 +193,7 @@ class WmoTrioHarborAgent(BaseAgent):  # type: ignore[misc]  # harbor ships no ty
                   context: AgentContext) -> None:
         """Run the episode on the trio engine; see `HarborEpisode` for what happens when
         harbor cancels it."""
-        # First: harbor's timeout is read as a deadline from now, a little short of its own.
+        # First, before anything waits: harbor's timeout, found above run() (_timeout.py).
         timed_out = harbor_agent_timeout()
         context.metadata = {**(context.metadata or {}), "candidate_doc_hash": self.doc.doc_hash}
         trial = harbor_trial(environment, context_id=self.context_id, session_id=self.session_id)

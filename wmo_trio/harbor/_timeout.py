@@ -13,9 +13,11 @@ harbor job that a timed-out trial says so.
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from types import FrameType
 
 # harbor read its clock a little before the agent's run() starts.
 _DEADLINE_SLACK_S = 0.05
@@ -29,7 +31,8 @@ def harbor_agent_timeout() -> Callable[[], bool] | None:
     `run()` was not awaited by harbor).
 
     The caller's awaiting frames are searched for an `asyncio.Timeout` bound to a name
-    (asked whether it `expired()`), or for `wait_for`'s own frame, whose `timeout` is read
+    (asked whether it `expired()`), or for `wait_for`'s own frame: then its `Timeout`
+    itself once the task first waits (`_WaitForTimeout`), and until then its `timeout` read
     as a deadline on the monotonic clock from now, less a little slack.
     """
     frame = sys._getframe(2)  # the frame that awaits the caller's run()
@@ -42,8 +45,43 @@ def harbor_agent_timeout() -> Callable[[], bool] | None:
         if frame.f_code is asyncio.wait_for.__code__:
             timeout = frame.f_locals.get("timeout")
             if isinstance(timeout, int | float) and not isinstance(timeout, bool):
-                deadline = time.monotonic() + timeout - _DEADLINE_SLACK_S
-                return lambda: time.monotonic() >= deadline
+                return _WaitForTimeout(frame, timeout).expired
             return None
         frame = frame.f_back  # type: ignore[assignment]
     return None
+
+
+class _WaitForTimeout:
+    """The `asyncio.Timeout` of a running `wait_for`, which its coroutine holds on its
+    stack (`async with timeouts.timeout(timeout)`), not under a name. While the awaited
+    run() runs, that stack is not readable; so a callback on the loop finds it once the
+    task waits, by walking the task's chain of awaited coroutines down to `wait_for`'s
+    (the frame seen) and looking among what that coroutine holds. Until then, or if it is
+    not found, the timeout is read as a deadline from when run() started, which a loaded
+    machine can make late: harbor's clock started before run() did."""
+
+    def __init__(self, frame: FrameType, timeout: float) -> None:
+        self._deadline = time.monotonic() + timeout - _DEADLINE_SLACK_S
+        self._timeout: asyncio.Timeout | None = None
+        task = asyncio.current_task()
+        if task is not None:
+            asyncio.get_running_loop().call_soon(self._find, task, frame)
+
+    def _find(self, task: asyncio.Task[object], frame: FrameType) -> None:
+        awaited: object = task.get_coro()
+        for _ in range(_FRAMES_SEARCHED * 4):
+            if not isinstance(awaited, Coroutine):
+                return
+            if getattr(awaited, "cr_frame", None) is frame:
+                for held in gc.get_referents(awaited):
+                    owner = getattr(held, "__self__", held)  # `__aexit__`, bound to it
+                    if isinstance(owner, asyncio.Timeout):
+                        self._timeout = owner
+                        return
+                return
+            awaited = getattr(awaited, "cr_await", None)
+
+    def expired(self) -> bool:
+        if self._timeout is not None:
+            return self._timeout.expired()
+        return time.monotonic() >= self._deadline
