@@ -35,10 +35,11 @@ from support.race import (
 from typer.testing import CliRunner
 
 from wmo_trio.cli import app
+from wmo_trio.cli._run import running_on
 from wmo_trio.compare import load_jobs
 from wmo_trio.harness import load_harness
 from wmo_trio.race import RaceReport, race
-from wmo_trio.race._harbor import read_race
+from wmo_trio.race._harbor import RaceProgress, read_race
 
 TASKS = 10
 BUNDLED = Path(__file__).resolve().parent.parent / "examples" / "tasks"
@@ -51,6 +52,7 @@ class Raced:
     report: RaceReport
     pids: list[str]  # the process of each episode, as its program noted it
     started: set[int]  # this process's children started by the race
+    placed: dict[str, set[str]]  # each trial's workers, as the live display was told them
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +63,28 @@ def races(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Raced]:
     docs = [candidate(root, name, rate, pids=pids)
             for name, rate in (("good", 1.0), ("half", 0.5), ("poor", 0.0))]
     raced: dict[str, Raced] = {}
-    for name, where in (("alone", []), ("workers", ["--workers", "2"])):
-        pids.unlink(missing_ok=True)
-        before = set(descendants(os.getpid()))
-        result = CliRunner().invoke(app, [*race_args(root / "jobs", tasks, *docs, name=name),
-                                          "--alpha", "0.3", "--seed", "2", "--json", *where])
-        assert result.exit_code == 0, result.output
-        raced[name] = Raced(root / "jobs" / name, RaceReport.model_validate_json(result.stdout),
-                            pids.read_text().split(), set(descendants(os.getpid())) - before)
+    placed: dict[str, set[str]] = collections.defaultdict(set)
+    shown = RaceProgress.placed
+
+    def noted(progress: RaceProgress, trial: str, worker: str) -> None:
+        placed[trial].add(worker)
+        shown(progress, trial, worker)
+
+    RaceProgress.placed = noted  # type: ignore[method-assign]
+    try:
+        for name, where in (("alone", []), ("workers", ["--workers", "2"])):
+            pids.unlink(missing_ok=True)
+            placed.clear()
+            before = set(descendants(os.getpid()))
+            result = CliRunner().invoke(app, [*race_args(root / "jobs", tasks, *docs, name=name),
+                                              "--alpha", "0.3", "--seed", "2", "--json", *where])
+            assert result.exit_code == 0, result.output
+            raced[name] = Raced(root / "jobs" / name,
+                                RaceReport.model_validate_json(result.stdout),
+                                pids.read_text().split(),
+                                set(descendants(os.getpid())) - before, dict(placed))
+    finally:
+        RaceProgress.placed = shown  # type: ignore[method-assign]
     return raced
 
 
@@ -103,6 +119,23 @@ def test_a_race_on_workers_runs_its_trials_in_the_worker_processes(
     assert str(os.getpid()) not in ran
     # Each round's first two trials take the two workers' first places.
     assert len(ran) == 2 and sum(ran.values()) == races["workers"].report.trials
+
+
+@pytest.mark.harbor
+def test_the_live_display_is_told_which_worker_runs_each_trial(races: dict[str, Raced]) -> None:
+    assert races["alone"].placed == {}
+    workers = races["workers"]
+    trials = {path.parent.name for path in workers.job.glob("*/result.json")}
+    assert set(workers.placed) == trials and len(trials) == workers.report.trials
+    # each trial on one worker (none was run again), and both workers used
+    assert all(len(labels) == 1 for labels in workers.placed.values())
+    assert len(set().union(*workers.placed.values())) == 2
+
+
+def test_the_display_counts_the_running_trials_of_each_worker() -> None:
+    assert running_on(["a", "b", "c", "d"], {"a": "w2", "b": "w1", "c": "w2"}) == (
+        "; running on w1: 1, w2: 2")
+    assert running_on(["a"], {}) == ""
 
 
 @pytest.mark.harbor

@@ -11,7 +11,14 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from wmo_trio.cli._run import AGENT_IMPORT_PATH, BadInput, RunOptions, agent_kwargs, build_job_config
+from wmo_trio.cli._run import (
+    AGENT_IMPORT_PATH,
+    BadInput,
+    RunOptions,
+    agent_kwargs,
+    build_job_config,
+    running_on,
+)
 
 if TYPE_CHECKING:
     from wmo_trio.cluster import ClusterOptions
@@ -146,6 +153,7 @@ def render_progress(progress: RaceProgress) -> Group:
     line = (f"{progress.stage}: {progress.round_done}/{progress.round_trials} trials done"
             + (" (now: " + ", ".join(f"{n} {p}" for p, n in phases.items()) + ")"
                if phases else "")
+            + running_on(progress.running, progress.workers)
             + f"; {report.trials} of the full {report.full_trials} run so far")
     lines = [Text(line, style="dim")]
     if report.gate_open is False:

@@ -6,7 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -360,13 +360,19 @@ class JobProgress:
                  for phase, n in counts.items()]
         queued = self.total - len(self.finished) - len(self.phases)
         line = "now: " + ", ".join(parts) + (f"; {queued} queued" if queued > 0 else "")
-        where: dict[str, int] = {}
-        for name in self.phases:
-            if name in self.workers:
-                where[self.workers[name]] = where.get(self.workers[name], 0) + 1
-        if where:
-            line += "; running on " + ", ".join(f"{label}: {n}" for label, n in sorted(where.items()))
-        return line
+        return line + running_on(self.phases, self.workers)
+
+
+def running_on(running: Iterable[str], workers: dict[str, str]) -> str:
+    """How many of the `running` trials each worker runs, as "; running on w1: 3, w2: 2"
+    ("" when none is on a worker: a job in one process)."""
+    where: dict[str, int] = {}
+    for name in running:
+        if name in workers:
+            where[workers[name]] = where.get(workers[name], 0) + 1
+    if not where:
+        return ""
+    return "; running on " + ", ".join(f"{label}: {n}" for label, n in sorted(where.items()))
 
 
 def summary_table(rows: list[TrialRow], title: str = "trials") -> Table:

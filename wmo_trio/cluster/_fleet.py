@@ -143,23 +143,29 @@ class TrialFleet:
             self._free_send.send_nowait(index)
 
     async def run_trials(self, configs: Sequence[Any], *, concurrency: int,
-                         watch: Callable[[Any], Awaitable[None]] | None = None) -> list[Any]:
+                         watch: Callable[[Any], Awaitable[None]] | None = None,
+                         placed: Callable[[str, str], None] | None = None) -> list[Any]:
         """Run `configs` (harbor `TrialConfig`s), at most `concurrency` at a time (and at
         most the fleet's), and return their `TrialResult`s in the order of `configs`;
         `watch` gets each of harbor's trial events (`TrialHookEvent`, its paths this
-        machine's). The shape of a race's trial runner (`wmo_trio.harbor._trials`):
+        machine's), `placed` each trial's name and its worker's label with every event
+        (a trial run again elsewhere is placed again). The shape of a race's trial runner
+        (`wmo_trio.harbor._trials`):
         cancelling the calling scope cancels every trial and returns only once each is
         stopped and written (see `run_trial`)."""
         results: list[Any] = [None] * len(configs)
         limiter = trio.CapacityLimiter(concurrency)
 
         async def forward(event: FleetEvent) -> None:
-            assert watch is not None
-            await watch(event.hook)
+            if placed is not None:
+                placed(str(event.hook.trial_name), event.worker.label)
+            if watch is not None:
+                await watch(event.hook)
 
         async def one(index: int, config: Any) -> None:
             async with limiter:
-                results[index] = await self.run_trial(config, forward if watch else None)
+                results[index] = await self.run_trial(
+                    config, forward if watch or placed else None)
 
         async with trio.open_nursery() as nursery:
             for index, config in enumerate(configs):

@@ -24,18 +24,23 @@ if TYPE_CHECKING:
 
 # A callback for harbor's trial events (`TrialHookEvent`), run on harbor's loop.
 TrialWatcher = Callable[[Any], Awaitable[None]]
+# Told a trial's name and the label of the worker process it runs on, as it starts there.
+TrialPlacement = Callable[[str, str], None]
 
 
 class TrialRunner(Protocol):
     async def __call__(self, configs: Sequence[Any], *, concurrency: int,
-                       watch: TrialWatcher | None = None) -> list[Any]:
+                       watch: TrialWatcher | None = None,
+                       placed: TrialPlacement | None = None) -> list[Any]:
         """Run `configs` (harbor `TrialConfig`s), at most `concurrency` at a time, and
-        return their `TrialResult`s in order; `watch` sees every trial event."""
+        return their `TrialResult`s in order; `watch` sees every trial event, and `placed`
+        where each trial runs (never called when every trial runs in this process)."""
         ...
 
 
 async def run_trials_here(configs: Sequence[Any], *, concurrency: int,
-                          watch: TrialWatcher | None = None) -> list[Any]:
+                          watch: TrialWatcher | None = None,
+                          placed: TrialPlacement | None = None) -> list[Any]:
     """From trio: run harbor trials in this process with harbor's `TrialQueue` and return
     their results in the order of `configs`.
 

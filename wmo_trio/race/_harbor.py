@@ -52,6 +52,10 @@ class RaceProgress:
     running: dict[str, str] = field(default_factory=dict)  # trial name -> phase
     round_trials: int = 0
     round_done: int = 0
+    workers: dict[str, str] = field(default_factory=dict)  # trial name -> worker, on Ray
+
+    def placed(self, trial: str, worker: str) -> None:
+        self.workers[trial] = worker
 
 
 def _task_labels(task_configs: Sequence[Any]) -> list[str]:
@@ -111,7 +115,7 @@ async def run_race(race: HarborRace, *, runner: TrialRunner = run_trials_here,
             progress.stage = f"round {played.number}"
             progress.round_trials, progress.round_done = len(configs), 0
             results = await runner(configs, concurrency=config.n_concurrent_trials,
-                                   watch=watch)
+                                   watch=watch, placed=progress.placed)
             job.add(results)
             ledger.record(played, _attempts(race.job_dir, owners))
             job.write(ledger.report(), finished=False)
@@ -163,6 +167,7 @@ def _watcher(progress: RaceProgress) -> TrialWatcher:
         name = str(event.trial_name)
         if event.event is TrialEvent.END:
             progress.running.pop(name, None)
+            progress.workers.pop(name, None)
             progress.round_done += 1
         elif event.event in (TrialEvent.START, TrialEvent.ENVIRONMENT_START,
                              TrialEvent.AGENT_START, TrialEvent.VERIFICATION_START):
