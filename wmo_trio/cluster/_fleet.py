@@ -150,9 +150,8 @@ class TrialFleet:
         `watch` gets each of harbor's trial events (`TrialHookEvent`, its paths this
         machine's), `placed` each trial's name and its worker's label with every event
         (a trial run again elsewhere is placed again). The shape of a race's trial runner
-        (`wmo_trio.harbor._trials`):
-        cancelling the calling scope cancels every trial and returns only once each is
-        stopped and written (see `run_trial`)."""
+        (`wmo_trio.harbor._trials`): cancelling the calling scope cancels every trial and
+        returns only once each is stopped and written (see `run_trial`)."""
         results: list[Any] = [None] * len(configs)
         limiter = trio.CapacityLimiter(concurrency)
 

@@ -23,6 +23,8 @@ from types import FrameType
 _DEADLINE_SLACK_S = 0.05
 # The frames between the agent's run() and harbor's wait_for (a task step, harbor's own).
 _FRAMES_SEARCHED = 8
+# The awaits from the task's outermost coroutine (harbor's job, queue, trial) to wait_for.
+_AWAITS_SEARCHED = 32
 
 
 def harbor_agent_timeout() -> Callable[[], bool] | None:
@@ -69,7 +71,7 @@ class _WaitForTimeout:
 
     def _find(self, task: asyncio.Task[object], frame: FrameType) -> None:
         awaited: object = task.get_coro()
-        for _ in range(_FRAMES_SEARCHED * 4):
+        for _ in range(_AWAITS_SEARCHED):
             if not isinstance(awaited, Coroutine):
                 return
             if getattr(awaited, "cr_frame", None) is frame:

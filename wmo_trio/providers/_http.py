@@ -325,8 +325,8 @@ def _seconds_until(http_date: str) -> float:
 # Calls in flight per client. The HTTP client's connection pool looks at every connection
 # it holds to place a request and again to release it, so one pool for every episode of a
 # large run costs more CPU per call the larger the run; clients of a configuration are
-# added so that none carries more than this. A client costs about 0.15 ms to build (the
-# SSL context is shared), so small pools are cheap. The real-traffic scenario of
+# added so that none carries more than this. A client is cheap to build (the SSL context
+# is shared, `tls_context`), so small pools cost little. The real-traffic scenario of
 # benchmarks/traffic.py measures it: at 4,096 episodes on 2 workers, 16 a client spent
 # 2.26-2.55 ms of CPU a step against 2.40-3.05 ms at 64 (four runs each, alternated).
 CALLS_PER_CLIENT = 16
