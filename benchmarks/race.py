@@ -9,7 +9,10 @@ error:
 
 - `checks`: the three checks of issue 37 under independent (rho 0) and correlated (rho 0.5,
   0.9) candidates, per candidate and family-wise;
-- `gaps`: (c) for one better candidate among 8 across gaps and base rates, rho 0;
+- `clear`: (c), the share of trials with one candidate 0.25 better among 8, at rho 0 and
+  0.5, rounds as `-n 4` and `-n 40` size them, both controls (seeds of its own);
+- `gaps`: (c) for one better candidate among 8 across gaps and base rates, rho 0 (the
+  hardest base rate for a gap is the one that centres the pair on 0.5);
 - `tied`: several candidates tied for best: how often each, any and all of them are
   dropped (what per candidate controls and what it does not);
 - `variants`: the clearly better candidate at rho 0 decided by variants of the rule that a
@@ -125,12 +128,40 @@ def checks(races: int) -> None:
                       flush=True)
 
 
+def clear(races: int) -> None:
+    print(f"\n(c): one 0.25 better among 8, {races} races per cell, share of trials "
+          "(mean ± s.e.)\n")
+    cells = [(rho, n) for rho in (0.0, 0.5) for n in (4, 40)]
+    print("| | " + " | ".join(f"rho {rho}, -n {n}" for rho, n in cells) + " |")
+    print("|---|" + "---|" * len(cells))
+    for control, familywise in CONTROLS:
+        row = []
+        for rho, n in cells:
+            result = simulate(Scenario(means=CLEAR, correlation=rho, concurrency=n,
+                                       familywise=familywise),
+                              races, seed=2000 + int(rho * 10) + n)
+            error = result.share.std(ddof=1) / np.sqrt(races)
+            row.append(f"{result.share.mean():.4f} ± {error:.4f}")
+        print(f"| {control} | " + " | ".join(row) + " |", flush=True)
+    print("\n(a) on as many races: equal means, 8 candidates, -n 4, any false verdict\n")
+    print("| | rho 0.0 | rho 0.5 |")
+    print("|---|---|---|")
+    for control, familywise in CONTROLS:
+        rates = []
+        for rho in (0.0, 0.5):
+            result = simulate(Scenario(means=(0.5,) * 8, correlation=rho, concurrency=4,
+                                       familywise=familywise),
+                              races, seed=2100 + int(rho * 10))
+            rates.append(rate(int(result.false_declaration.sum()), races))
+        print(f"| {control} | " + " | ".join(rates) + " |", flush=True)
+
+
 def gaps(races: int) -> None:
     print(f"\n(c) across gaps and base rates: one better candidate among 8, rho 0, -n 4, "
           f"{races} races per cell, share of trials (mean ± s.e.)\n")
     print("| the 7 others' mean | gap | per candidate | family-wise |")
     print("|---|---|---|---|")
-    for base in (0.5, 0.35, 0.15):
+    for base in (0.5, 0.375, 0.25, 0.15):
         for gap in (0.1, 0.25, 0.4):
             cells = []
             for _, familywise in CONTROLS:
@@ -172,8 +203,8 @@ def variants(races: int) -> None:
         print(f"| {label} | {cells[0]} | {cells[1]} |", flush=True)
 
 
-TABLES: dict[str, Callable[[int], None]] = {"checks": checks, "gaps": gaps, "tied": tied,
-                                            "variants": variants}
+TABLES: dict[str, Callable[[int], None]] = {"checks": checks, "clear": clear, "gaps": gaps,
+                                            "tied": tied, "variants": variants}
 
 
 def main() -> None:

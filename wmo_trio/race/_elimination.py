@@ -43,6 +43,7 @@ from wmo_trio.race._sequential import (
     closed_rejections,
     comparators,
     stakes,
+    wins_and_losses,
 )
 
 
@@ -158,13 +159,31 @@ class Elimination:
         """Each hypothesis's stake: its comparators' weighted stakes, each from the pair's
         history (`stakes`), signed as the hypothesis bets (on the comparator, or on or
         against the baseline). Only the pairs with a weight are priced; a hypothesis
-        without one stakes 0."""
+        without one stakes 0.
+
+        In a race (no baseline) the pair's own history is preceded by a prior: the
+        comparator's histories against the other candidates, together counted as one
+        pair's worth (each at weight 1 / (candidates - 2)), so the stake learns how far a
+        leader is ahead in this race from all of the leader's pairs at once (docs/race.md,
+        "The stake"). Against a baseline its pairs point both ways by design, and each
+        pair's stake reads its own history alone."""
         race, h, c = np.nonzero(against)
         j = self.subjects[h]
         total = self.pair_total[race, c, j]
+        prior_wins: Floats | float = 0.0
+        prior_losses: Floats | float = 0.0
         if self.baseline is not None:
             total = np.where(h < len(self.subjects) // 2, -total, total)
-        weighted = against[race, h, c] * stakes(total, self.pair_squares[race, c, j])
+        elif self.count > 2:
+            # The comparator's histories against everyone but j (the diagonal is 0), each
+            # at 1 / (candidates - 2): one pair's worth.
+            wins, losses = wins_and_losses(self.pair_total, self.pair_squares)
+            weight = 1.0 / (self.count - 2)
+            prior_wins = (wins.sum(axis=-1)[race, c] - wins[race, c, j]) * weight
+            prior_losses = (losses.sum(axis=-1)[race, c] - losses[race, c, j]) * weight
+        weighted = against[race, h, c] * stakes(total, self.pair_squares[race, c, j],
+                                                prior_wins=prior_wins,
+                                                prior_losses=prior_losses)
         shape = against.shape[:-1]
         result: Floats = np.bincount(race * shape[1] + h, weighted,
                                      minlength=shape[0] * shape[1]).reshape(shape)

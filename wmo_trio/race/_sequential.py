@@ -64,21 +64,33 @@ def closed_rejections(wealth: npt.ArrayLike, alpha: float) -> Bools:
     return result
 
 
-def stakes(total: npt.ArrayLike, squares: npt.ArrayLike) -> Floats:
+def wins_and_losses(total: npt.ArrayLike, squares: npt.ArrayLike) -> tuple[Floats, Floats]:
+    """A pair's history as the wins and losses it amounts to, from the sums of its
+    differences D and of D^2: n+ - n- = sum(D), n+ + n- = sum(D^2). Exact for rewards of 0
+    or 1 and one attempt (D in {-1, 0, 1}), a summary by the first two moments otherwise."""
+    t = np.asarray(total, dtype=np.float64)
+    q = np.asarray(squares, dtype=np.float64)
+    return np.maximum((q + t) / 2, 0.0), np.maximum((q - t) / 2, 0.0)
+
+
+def stakes(total: npt.ArrayLike, squares: npt.ArrayLike, *,
+           prior_wins: npt.ArrayLike = 0.0, prior_losses: npt.ArrayLike = 0.0) -> Floats:
     """The stake on a pair's next difference D = X_a - X_b from the sums of D and D^2 over
     the tasks both ran before it (predictable): the stake of Cover's universal portfolio
     over the constant stakes in (0, BET_CAP], i.e. their mean weighted by the wealth each
-    would have won on the pair's history (a uniform prior over the grid `_STAKES`).
+    would have won on the pair's history (`wins_and_losses`), from a uniform prior over the
+    grid `_STAKES`.
 
-    The history enters as the wins and losses it amounts to, n+ - n- = sum(D) and
-    n+ + n- = sum(D^2), and the constant stake l's wealth as (1 + l)^n+ (1 - l)^n-: exact
-    for rewards of 0 or 1 and one attempt (D in {-1, 0, 1}), a summary by the first two
-    moments otherwise. The stake only changes how fast the evidence grows: any stake fixed
-    before the difference is seen keeps the wealth a test supermartingale.
+    `prior_wins` and `prior_losses` are counted as if the pair had won and lost them
+    before its own history: the prior the race learns from its other pairs (a power
+    prior; docs/race.md, "The stake"). The constant stake l's wealth is then
+    (1 + l)^(n+ + prior wins) (1 - l)^(n- + prior losses). The stake only changes how fast
+    the evidence grows: any stake fixed before the difference is seen keeps the wealth a
+    test supermartingale.
     """
-    t = np.asarray(total, dtype=np.float64)
-    q = np.asarray(squares, dtype=np.float64)
-    wins, losses = np.maximum((q + t) / 2, 0.0), np.maximum((q - t) / 2, 0.0)
+    wins, losses = wins_and_losses(total, squares)
+    wins = wins + np.asarray(prior_wins, dtype=np.float64)
+    losses = losses + np.asarray(prior_losses, dtype=np.float64)
     weight = np.multiply.outer(wins, _LOG_WIN)
     weight += np.multiply.outer(losses, _LOG_LOSS)
     weight -= weight.max(axis=-1, keepdims=True)
