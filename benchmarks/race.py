@@ -105,9 +105,14 @@ def rate(count: int, total: int) -> str:
     return f"{count / total:.4f} [{low:.4f}, {high:.4f}]"
 
 
-def share(result: Simulated) -> str:
+def mean_share(result: Simulated, digits: int = 3) -> str:
+    """The races' mean share of the full evaluation's trials, ± its standard error."""
     error = result.share.std(ddof=1) / np.sqrt(result.races)
-    return f"{result.share.mean():.3f} ± {error:.3f}, {result.share.max():.3f}"
+    return f"{result.share.mean():.{digits}f} ± {error:.{digits}f}"
+
+
+def share(result: Simulated) -> str:
+    return f"{mean_share(result)}, {result.share.max():.3f}"
 
 
 def checks(races: int) -> None:
@@ -140,8 +145,7 @@ def clear(races: int) -> None:
             result = simulate(Scenario(means=CLEAR, correlation=rho, concurrency=n,
                                        familywise=familywise),
                               races, seed=2000 + int(rho * 10) + n)
-            error = result.share.std(ddof=1) / np.sqrt(races)
-            row.append(f"{result.share.mean():.4f} ± {error:.4f}")
+            row.append(mean_share(result, digits=4))
         print(f"| {control} | " + " | ".join(row) + " |", flush=True)
     print("\n(a) on as many races: equal means, 8 candidates, -n 4, any false verdict\n")
     print("| | rho 0.0 | rho 0.5 |")
@@ -168,8 +172,7 @@ def gaps(races: int) -> None:
                 result = simulate(Scenario(means=(base + gap,) + (base,) * 7, concurrency=4,
                                            familywise=familywise),
                                   races, seed=int(1000 * base + 100 * gap))
-                error = result.share.std(ddof=1) / np.sqrt(races)
-                cells.append(f"{result.share.mean():.3f} ± {error:.3f}")
+                cells.append(mean_share(result))
             print(f"| {base} | {gap} | {cells[0]} | {cells[1]} |", flush=True)
 
 
